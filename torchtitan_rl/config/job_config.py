@@ -1,0 +1,187 @@
+"""The one typed config tree of a run.
+
+Every field carries a one-line docstring: tyro shows it in ``--help``.
+Sections are plain dataclasses so that importing this module stays cheap
+(no torch, no vLLM): ``--help`` and config validation run in a second.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class JobSection:
+    name: str = "grpo"
+    """Run name; used in log lines and as the default output sub-folder."""
+    output_dir: str = "outputs/grpo"
+    """Folder for the resolved config, metrics, plots and checkpoints."""
+    seed: int = 0
+    """Seed for model init, prompt sampling and generation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device for trainer and generator; auto picks cuda when available."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    flavor: str = "tiny"
+    """Qwen3 shape: tiny (CPU tests), debugmodel, 0.6B, 1.7B, 4B, 8B."""
+    hf_checkpoint: str | None = None
+    """Local Hugging Face directory with real Qwen3 weights; none means seeded random init."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Compute dtype of the generator and of the trainer's forward/backward."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes the flavor's (tiny: the task tokenizer's)."""
+    max_seq_len: int = 512
+    """Longest prompt + completion in tokens; sizes the RoPE cache of small flavors."""
+
+
+@dataclass(kw_only=True)
+class ParallelismConfig:
+    """Shared by trainer and generator so both sides describe layouts alike."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP degree; -1 takes all ranks left after the other degrees."""
+    data_parallel_replicate_degree: int = 1
+    """DDP (replicate) degree."""
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel degree (generator: vLLM tensor_parallel_size)."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer; AdamW on fp32 master weights."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+
+@dataclass(kw_only=True)
+class LRSchedulerConfig:
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to the peak learning rate."""
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the schedule after warmup."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of the peak (linear and cosine)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    enable: bool = False
+    """Write checkpoints (torch.distributed.checkpoint) during training."""
+    interval: int = 50
+    """Steps between checkpoints."""
+    folder: str = "checkpoints"
+    """Sub-folder of job.output_dir holding step-N checkpoints."""
+    keep_latest: int = 2
+    """How many complete checkpoints to keep; 0 keeps all."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """How the trainer's model is sharded over its ranks."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer settings."""
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    """Learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    steps: int = 40
+    """Number of GRPO steps (one sync, rollout and optimizer step each)."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward on one rank; gradients accumulate over them."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k cut-off; -1 disables it."""
+    max_tokens: int = 8
+    """Completion length limit in tokens."""
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    parallelism: ParallelismConfig = field(
+        default_factory=lambda: ParallelismConfig(data_parallel_shard_degree=1)
+    )
+    """How the generator is laid out (tensor_parallel_degree -> vLLM TP)."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory vLLM may take (weights + KV cache)."""
+    kv_cache_memory_gb: float = 0.25
+    """KV-cache size on CPU in GiB (vLLM's CPU backend needs it explicit)."""
+    max_model_len: int = 64
+    """Longest prompt + completion vLLM accepts."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM schedules at once."""
+    enforce_eager: bool = True
+    """Run eagerly; false lets vLLM capture CUDA graphs on GPU."""
+    load_format: Literal["dummy", "auto"] = "dummy"
+    """dummy: random start, serve only after the first sync; auto: load model.hf_checkpoint."""
+    wait_for_weights_s: float = 0.0
+    """How long a generate call waits for the first sync; 0 raises at once."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling settings for rollouts."""
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    task: str = "digits"
+    """Task: a built-in name (digits) or 'package.module:factory' for a user task."""
+    prompts_per_step: int = 16
+    """Distinct prompts per step (global)."""
+    group_size: int = 8
+    """Completions sampled per prompt (G)."""
+    clip_eps_low: float = 0.2
+    """Lower PPO-style ratio clip: ratio >= 1 - clip_eps_low."""
+    clip_eps_high: float = 0.2
+    """Upper ratio clip: ratio <= 1 + clip_eps_high."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to a frozen reference model; 0 disables it."""
+    advantage_norm: Literal["group_std", "none"] = "group_std"
+    """group_std: (r - mean) / std per group; none: r - mean only."""
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    enable: bool = True
+    """Push trainer weights to the generator each step (false: negative control)."""
+    transport: Literal["inplace"] = "inplace"
+    """inplace: colocated, copy into the generator's tensors in this process."""
+    bucket_mb: int = 512
+    """Largest bucket of gathered/cast tensors in flight, in MiB."""
+    verify: Literal["off", "sampled", "full"] = "sampled"
+    """After each sync compare generator tensors with the source: none, a few, all."""
+    verify_samples: int = 4
+    """Tensors compared per sync when verify is sampled."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    """Run identity and output."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape, weights and dtype (shared by trainer and generator)."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The torchtitan trainer."""
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """The vLLM generator."""
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    """GRPO algorithm."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer -> generator weight sync."""
+    batch_invariant_mode: bool = False
+    """Bitwise-identical trainer and generator logprobs (both sides switch kernels)."""
