@@ -1,0 +1,18 @@
+"""GRPO algorithm pieces: tasks (prompts + rewards), advantages, and the loss.
+
+Pure torch + tokenizers: nothing here knows about vLLM or torchtitan.
+"""
+
+from torchtitan_rl.grpo.advantages import group_advantages
+from torchtitan_rl.grpo.loss import grpo_loss
+from torchtitan_rl.grpo.tasks import DigitsTask, Prompt, Task, build_digits_tokenizer, build_task
+
+__all__ = [
+    "DigitsTask",
+    "Prompt",
+    "Task",
+    "build_digits_tokenizer",
+    "build_task",
+    "group_advantages",
+    "grpo_loss",
+]

@@ -1,0 +1,101 @@
+"""The GRPO policy loss: a PPO-style clipped surrogate per token.
+
+Every token of a completion shares its completion's advantage. The ratio
+pi / pi_old lets several optimizer steps (or a stale generator) reuse one
+batch of rollouts; clipping it keeps each update inside a trust region.
+"""
+
+import torch
+from torch import Tensor
+
+
+def grpo_loss(
+    logprobs_BT: Tensor,
+    old_logprobs_BT: Tensor,
+    advantages_B: Tensor,
+    mask_BT: Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    ref_logprobs_BT: Tensor | None = None,
+    kl_coef: float = 0.0,
+    num_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate (+ optional k3 KL to a reference), mean over valid tokens.
+
+    Args:
+        logprobs_BT: log pi(token) under the policy being trained; carries grad.
+        old_logprobs_BT: log pi_old(token) of the policy that sampled the tokens.
+        advantages_B: one advantage per sequence, broadcast over its tokens.
+        mask_BT: 1/True on completion tokens to score; prompt and padding are 0.
+        clip_eps_low, clip_eps_high: ratio is clipped to [1 - low, 1 + high].
+        ref_logprobs_BT: log pi_ref(token) of a frozen reference, for the KL term.
+        kl_coef: weight of the k3 KL estimate exp(ref - lp) - (ref - lp) - 1.
+        num_tokens: normaliser for the token sum. Pass the valid-token count of
+            the whole batch when this call sees one micro-batch: the summed
+            micro-batch losses (and gradients) then equal the full-batch loss.
+            None uses this call's own valid-token count.
+
+    The loss is a token-level mean (sum over valid tokens / token count), not
+    a mean of per-sequence means: every token weighs the same, so long
+    completions are not down-weighted per token (DAPO's argument), and the
+    normaliser is one number, which makes micro-batch accumulation exact.
+
+    Returns the scalar loss and float metrics: loss, clip_fraction (share of
+    valid tokens whose gradient clipping removed), kl (mean k3; 0 without a
+    reference), ratio_mean, and tokens (this call's valid-token count, to
+    weight the means when combining micro-batches).
+    """
+    assert logprobs_BT.shape == old_logprobs_BT.shape == mask_BT.shape, (
+        f"shape mismatch: {logprobs_BT.shape}, {old_logprobs_BT.shape}, {mask_BT.shape}"
+    )
+    assert advantages_B.shape == logprobs_BT.shape[:1], (
+        f"advantages {tuple(advantages_B.shape)} vs logprobs {tuple(logprobs_BT.shape)}"
+    )
+    assert kl_coef == 0.0 or ref_logprobs_BT is not None, "kl_coef > 0 needs ref_logprobs_BT"
+    assert num_tokens is None or num_tokens > 0, f"num_tokens must be positive, got {num_tokens}"
+    if clip_eps_low < 0 or clip_eps_high < 0:
+        raise ValueError(
+            f"grpo.clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}"
+        )
+
+    mask_BT = mask_BT.bool()
+    logprobs_BT = logprobs_BT.float()
+    # Zero the log-ratio on masked positions *before* exp: padding may hold
+    # garbage logprobs, and exp(inf) there would turn into NaN gradients.
+    log_ratio_BT = torch.where(mask_BT, logprobs_BT - old_logprobs_BT.float(), 0.0)
+    ratio_BT = torch.exp(log_ratio_BT)
+    adv_B1 = advantages_B.float().unsqueeze(1)
+    unclipped_BT = ratio_BT * adv_B1
+    clipped_BT = ratio_BT.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv_B1
+    # Pessimistic bound: where the clipped term is the smaller one its gradient
+    # is 0, so the update cannot push the ratio further out of the trust region.
+    per_token_BT = -torch.minimum(unclipped_BT, clipped_BT)
+
+    kl_BT = None
+    if ref_logprobs_BT is not None:
+        ref_delta_BT = torch.where(mask_BT, ref_logprobs_BT.float() - logprobs_BT, 0.0)
+        # k3 (Schulman): unbiased for KL(pi || ref), always >= 0, low variance.
+        kl_BT = torch.exp(ref_delta_BT) - ref_delta_BT - 1.0
+        per_token_BT = per_token_BT + kl_coef * kl_BT
+
+    valid = int(mask_BT.sum().item())
+    denom = num_tokens if num_tokens is not None else max(valid, 1)
+    loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / denom
+
+    with torch.no_grad():
+        clipped_mask_BT = ((adv_B1 > 0) & (ratio_BT > 1.0 + clip_eps_high)) | (
+            (adv_B1 < 0) & (ratio_BT < 1.0 - clip_eps_low)
+        )
+
+        def masked_mean(x_BT: Tensor) -> float:
+            return (torch.where(mask_BT, x_BT.float(), 0.0).sum() / max(valid, 1)).item()
+
+        metrics = {
+            "loss": loss.item(),
+            "clip_fraction": masked_mean(clipped_mask_BT),
+            "kl": masked_mean(kl_BT) if kl_BT is not None else 0.0,
+            "ratio_mean": masked_mean(ratio_BT),
+            "tokens": float(valid),
+        }
+    return loss, metrics
