@@ -60,12 +60,14 @@ def grpo_loss(
         )
 
     mask_BT = mask_BT.bool()
-    logprobs_BT = logprobs_BT.float()
+    # At least fp32: bf16 logprobs lose the small ratio differences clipping acts on.
+    dtype = torch.promote_types(logprobs_BT.dtype, torch.float32)
+    logprobs_BT = logprobs_BT.to(dtype)
     # Zero the log-ratio on masked positions *before* exp: padding may hold
     # garbage logprobs, and exp(inf) there would turn into NaN gradients.
-    log_ratio_BT = torch.where(mask_BT, logprobs_BT - old_logprobs_BT.float(), 0.0)
+    log_ratio_BT = torch.where(mask_BT, logprobs_BT - old_logprobs_BT.to(dtype), 0.0)
     ratio_BT = torch.exp(log_ratio_BT)
-    adv_B1 = advantages_B.float().unsqueeze(1)
+    adv_B1 = advantages_B.to(dtype).unsqueeze(1)
     unclipped_BT = ratio_BT * adv_B1
     clipped_BT = ratio_BT.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv_B1
     # Pessimistic bound: where the clipped term is the smaller one its gradient
@@ -74,7 +76,7 @@ def grpo_loss(
 
     kl_BT = None
     if ref_logprobs_BT is not None:
-        ref_delta_BT = torch.where(mask_BT, ref_logprobs_BT.float() - logprobs_BT, 0.0)
+        ref_delta_BT = torch.where(mask_BT, ref_logprobs_BT.to(dtype) - logprobs_BT, 0.0)
         # k3 (Schulman): unbiased for KL(pi || ref), always >= 0, low variance.
         kl_BT = torch.exp(ref_delta_BT) - ref_delta_BT - 1.0
         per_token_BT = per_token_BT + kl_coef * kl_BT

@@ -77,15 +77,19 @@ class DigitsTask(Task):
             return digits[::-1]
         return [digits[0]] * len(digits)  # repeat_first
 
+    def make_prompt(self, digits: list[int]) -> Prompt:
+        """The prompt for given digits; ``target`` is the answer's token ids (no <eos>)."""
+        assert len(digits) == self.n_digits and all(0 <= d <= 9 for d in digits), digits
+        token_ids = [self.bos_id] + [self.digit_ids[d] for d in digits] + [self.equals_id]
+        target = [self.digit_ids[d] for d in self._answer(digits)]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return Prompt(token_ids=token_ids, text=text, target=target)
+
     def sample_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
-        prompts = []
-        for _ in range(n):
-            digits = [generator.randrange(10) for _ in range(self.n_digits)]
-            token_ids = [self.bos_id] + [self.digit_ids[d] for d in digits] + [self.equals_id]
-            target = [self.digit_ids[d] for d in self._answer(digits)]
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-            prompts.append(Prompt(token_ids=token_ids, text=text, target=target))
-        return prompts
+        return [
+            self.make_prompt([generator.randrange(10) for _ in range(self.n_digits)])
+            for _ in range(n)
+        ]
 
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         """Fraction of target digits matched position by position.
