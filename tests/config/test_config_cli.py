@@ -135,7 +135,7 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--generator.sampling.top_p", "0"], 1, "generator.sampling.top_p: must be in (0, 1]"),
         (["--generator.gpu_memory_utilization", "1.5"], 1, "generator.gpu_memory_utilization"),
         (["--generator.sampling.max_tokens", "64"], 1, "generator.sampling.max_tokens: 64"),
-        (["--generator.load_format", "auto"], 1, "generator.load_format: 'auto' needs model.hf_checkpoint"),
+        (["--generator.load_format", "auto"], 1, "generator.load_format: 'auto' needs"),
         (["--weight_sync.verify_samples", "0"], 1, "weight_sync.verify_samples: must be >= 1"),
         (["--weight_sync.bucket_mb", "0"], 1, "weight_sync.bucket_mb: must be >= 1"),
     ],

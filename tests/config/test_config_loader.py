@@ -96,7 +96,8 @@ def test_cli_can_set_and_clear_an_optional_field(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("[model]\nhf_checkpoint = '/weights/qwen'\n")
     assert parse_args(["--config", str(path)]).model.hf_checkpoint == "/weights/qwen"
-    assert parse_args(["--config", str(path), "--model.hf-checkpoint", "None"]).model.hf_checkpoint is None
+    cleared = parse_args(["--config", str(path), "--model.hf-checkpoint", "None"])
+    assert cleared.model.hf_checkpoint is None
 
 
 def test_toml_int_is_accepted_for_float():

@@ -104,8 +104,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         want = f"an array of {n}{_type_name(args[0])}"
         if not isinstance(value, list) or (n and len(value) != len(args)):
             raise ValueError(f"{path}: expected {want}, got {_describe(value)}")
-        item_types = [args[0]] * len(value) if not n else list(args)
-        return tuple(_coerce(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, item_types)))
+        item_types = list(args) if n else [args[0]] * len(value)
+        items = enumerate(zip(value, item_types))
+        return tuple(_coerce(v, t, f"{path}[{i}]") for i, (v, t) in items)
     if tp is float and type(value) is int:
         return float(value)
     if type(value) is not tp:  # bool is not an int here, and int is not a str
@@ -260,7 +261,9 @@ def _check_degrees(par: Any, path: str, world_size: int, *, exact: bool) -> None
     shard = par.data_parallel_shard_degree
     rep, tp = par.data_parallel_replicate_degree, par.tensor_parallel_degree
     if shard != -1 and shard < 1:
-        raise ValueError(f"{path}.data_parallel_shard_degree: must be -1 (infer) or >= 1, got {shard}")
+        raise ValueError(
+            f"{path}.data_parallel_shard_degree: must be -1 (infer) or >= 1, got {shard}"
+        )
     for name, value in (("data_parallel_replicate_degree", rep), ("tensor_parallel_degree", tp)):
         if value < 1:
             raise ValueError(f"{path}.{name}: must be >= 1, got {value}")
@@ -273,7 +276,8 @@ def _check_degrees(par: Any, path: str, world_size: int, *, exact: bool) -> None
     elif shard * rep * tp != world_size:
         raise ValueError(
             f"{path}: data_parallel_shard_degree ({shard}) * data_parallel_replicate_degree "
-            f"({rep}) * tensor_parallel_degree ({tp}) = {shard * rep * tp} != world size {world_size}"
+            f"({rep}) * tensor_parallel_degree ({tp}) = {shard * rep * tp} "
+            f"!= world size {world_size}"
         )
 
 
