@@ -134,34 +134,36 @@ class Generator:
 
         version = self._wait_for_weights()
         s = sampling or self.config.sampling
-        request_ids = []
+        # One request per sample (not SamplingParams.n) so each sample has its
+        # own seed and the output order is ours to fix: group-contiguous.
+        requests = []
         for i, prompt in enumerate(prompts):
-            params = SamplingParams(
-                n=n,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k if s.top_k > 0 else 0,
-                max_tokens=s.max_tokens,
-                logprobs=0,
-                stop_token_ids=stop_token_ids,
-                seed=None if seed is None else seed * 1_000_003 + i,
-            )
-            rid = f"r{self._request_counter}"
-            self._request_counter += 1
-            self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
-            request_ids.append(rid)
+            for j in range(n):
+                params = SamplingParams(
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    top_k=s.top_k if s.top_k > 0 else 0,
+                    max_tokens=s.max_tokens,
+                    logprobs=0,
+                    stop_token_ids=stop_token_ids,
+                    seed=None if seed is None else (seed * 1_000_003 + i) * 1009 + j,
+                )
+                rid = f"r{self._request_counter}"
+                self._request_counter += 1
+                self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+                requests.append((rid, prompt))
         finished = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
-                    finished[out.request_id] = out
+                    finished[out.request_id] = out.outputs[0]
         assert self._version == version, "weights changed during generation"
 
         prompt_ids, completions, logprobs = [], [], []
-        for rid, prompt in zip(request_ids, prompts):
-            for c in sorted(finished[rid].outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                prompt_ids.append(list(prompt))
-                completions.append(ids)
-                logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
+        for rid, prompt in requests:
+            c = finished[rid]
+            ids = list(c.token_ids)
+            prompt_ids.append(list(prompt))
+            completions.append(ids)
+            logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
         return Rollouts(prompt_ids, completions, logprobs, version)

@@ -58,11 +58,10 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.attention.inner_attention",
             )
-        # vLLM builds under its model dtype (bf16); buffers such as the RoPE
-        # cache stay in the trainer's dtype (fp32) so both sides compute alike.
-        for module in self.model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                module._buffers[name] = buf.float()
+        # vLLM never calls init_states; compute the RoPE cache as the trainer
+        # does (fp32 whatever vLLM's default dtype) so auto-loaded weights work.
+        for layer in self.model.layers.values():
+            layer.attention.rope._init_self_buffers()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.tok_embeddings(input_ids)
@@ -95,47 +94,18 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
         if self.shape.tie_word_embeddings:
             titan_state.pop("lm_head.weight", None)
         missing, unexpected = self.model.load_state_dict(titan_state, strict=False)
-        missing = [k for k in missing if not k.endswith("lm_head.weight")]
+        missing = [
+            k for k in missing
+            if not k.endswith("lm_head.weight") and ".inner_attention.attn." not in k
+        ]
         if missing or unexpected:
             raise ValueError(
                 f"model.hf_checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-        return {f"model.{k}" for k in self.state_dict_names()}
-
-    def state_dict_names(self) -> list[str]:
-        return list(self.model.state_dict().keys())
+        return {name for name, _ in self.named_parameters()}
 
     def sync_targets(self) -> dict[str, Destination]:
-        """Every tensor the trainer may write, by trainer names, as views.
-
-        Native names (``wqkv``) map to the parameters themselves. torchtitan's
-        checkpoint format splits the fused ``wqkv`` into ``wq``/``wk``/``wv``;
-        those names map to strided views into the fused storage (rows are
-        interleaved per KV group), so either form of the trainer's state dict
-        lands in place. Buffers (the RoPE cache) are included; vLLM's attention
-        scales are not (see ``engine_constants``).
-        """
-        targets = {
-            name: Destination(t, t.shape)
-            for name, t in self.all_tensors().items()
-            if ".inner_attention.attn." not in name
-        }
-        if self.shape.tie_word_embeddings:
-            targets["lm_head.weight"] = targets["tok_embeddings.weight"]
-        n_kv = self.shape.num_key_value_heads
-        heads_per_kv = self.shape.num_attention_heads // n_kv
-        hd = self.shape.head_dim
-        for name in [n for n in targets if n.endswith("qkv_linear.wqkv.weight")]:
-            prefix = name[: -len("wqkv.weight")]
-            w = targets[name].view.view(n_kv, heads_per_kv + 2, hd, -1)
-            for key, view in (
-                ("wq", w[:, :heads_per_kv]),
-                ("wk", w[:, heads_per_kv]),
-                ("wv", w[:, heads_per_kv + 1]),
-            ):
-                rows = view.numel() // view.shape[-1]
-                targets[f"{prefix}{key}.weight"] = Destination(view, torch.Size([rows, view.shape[-1]]))
-        return targets
+        return sync_targets(self.model, self.shape)
 
     def engine_constants(self) -> dict[str, tuple[torch.Tensor, float]]:
         """Tensors vLLM's attention layer owns, with the value they must hold.
@@ -150,9 +120,47 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
 
     def all_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer the generator computes with."""
-        tensors = dict(self.model.named_parameters())
-        tensors.update(self.model.named_buffers())
-        return {k: v.detach() for k, v in tensors.items()}
+        return all_tensors(self.model)
+
+
+def all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a torchtitan model, by name."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    return {k: v.detach() for k, v in tensors.items()}
+
+
+def sync_targets(model: nn.Module, shape: Qwen3Shape) -> dict[str, Destination]:
+    """Every tensor the trainer may write, by trainer names, as views.
+
+    Native names (``wqkv``) map to the parameters themselves. torchtitan's
+    checkpoint format splits the fused ``wqkv`` into ``wq``/``wk``/``wv``;
+    those names map to strided views into the fused storage (rows are
+    interleaved per KV group), so either form of the trainer's state dict
+    lands in place. Buffers (the RoPE cache) are included; vLLM's attention
+    scales are not (see ``engine_constants``).
+    """
+    targets = {
+        name: Destination(t, t.shape)
+        for name, t in all_tensors(model).items()
+        if ".inner_attention.attn." not in name
+    }
+    if shape.tie_word_embeddings:
+        targets["lm_head.weight"] = targets["tok_embeddings.weight"]
+    n_kv = shape.num_key_value_heads
+    heads_per_kv = shape.num_attention_heads // n_kv
+    hd = shape.head_dim
+    for name in [n for n in targets if n.endswith("qkv_linear.wqkv.weight")]:
+        prefix = name[: -len("wqkv.weight")]
+        w = targets[name].view.view(n_kv, heads_per_kv + 2, hd, -1)
+        for key, view in (
+            ("wq", w[:, :heads_per_kv]),
+            ("wk", w[:, heads_per_kv]),
+            ("wv", w[:, heads_per_kv + 1]),
+        ):
+            rows = view.numel() // view.shape[-1]
+            targets[f"{prefix}{key}.weight"] = Destination(view, torch.Size([rows, view.shape[-1]]))
+    return targets
 
 
 def register() -> None:

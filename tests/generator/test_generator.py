@@ -1,0 +1,81 @@
+"""The generator's contract: nothing is served before the trainer's weights arrive."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.helpers import LOGPROB_ATOL, PROMPTS, make_generator, max_logprob_error, native_state, tiny_shape, trainer_model
+from torchtitan_rl.config import WeightSyncConfig
+from torchtitan_rl.generator.generator import WeightsNotSyncedError
+from torchtitan_rl.weight_sync import WeightSync
+
+
+@pytest.fixture(scope="module")
+def unsynced(tmp_path_factory):
+    return make_generator(tmp_path_factory.mktemp("gen"), wait_for_weights_s=0.0)
+
+
+def test_generate_before_first_sync_raises(unsynced):
+    assert unsynced.weight_version is None
+    with pytest.raises(WeightsNotSyncedError, match="no weights synced yet"):
+        unsynced.generate(PROMPTS, n=2)
+
+
+def test_dummy_weights_are_poisoned_until_the_first_sync(unsynced):
+    assert all(torch.isnan(d.view).all() for d in unsynced.model.sync_targets().values())
+
+
+def test_generate_waits_for_the_first_sync_when_configured(unsynced):
+    model = trainer_model(seed=1)
+    ws = WeightSync(WeightSyncConfig(), reference=native_state(model), generator=unsynced)
+    unsynced.config.wait_for_weights_s = 30.0
+    timer = threading.Timer(0.5, lambda: ws.sync(native_state(model), version=1))
+    started = time.monotonic()
+    timer.start()
+    rollouts = unsynced.generate(PROMPTS, n=2, seed=0)
+    assert time.monotonic() - started >= 0.4
+    assert rollouts.weight_version == 1
+    assert max_logprob_error(rollouts, model) < LOGPROB_ATOL
+
+
+def test_rollouts_are_group_contiguous_and_record_their_version(unsynced):
+    r = unsynced.generate(PROMPTS, n=3, seed=1)
+    assert r.prompt_ids == [p for p in PROMPTS for _ in range(3)]
+    assert len(r.completion_ids) == len(r.logprobs) == 9
+    assert all(len(c) == len(lp) == unsynced.config.sampling.max_tokens for c, lp in zip(r.completion_ids, r.logprobs))
+    assert r.weight_version == unsynced.weight_version
+
+
+def test_same_seed_gives_same_rollouts(unsynced):
+    a = unsynced.generate(PROMPTS, n=2, seed=7)
+    b = unsynced.generate(PROMPTS, n=2, seed=7)
+    assert a.completion_ids == b.completion_ids
+
+
+def test_standalone_rollouts_from_a_local_hf_checkpoint(tmp_path):
+    """Opt-in debugging path: load_format='auto' serves a checkpoint with no trainer."""
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    from torchtitan_rl.config import GeneratorConfig, ModelConfig
+    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.models.qwen3 import titan_config
+
+    model = trainer_model(seed=3)
+    shape = tiny_shape()
+    ckpt = tmp_path / "hf"
+    ckpt.mkdir()
+    hf_state = Qwen3StateDictAdapter(titan_config(shape), None).to_hf(model.state_dict())
+    save_file({k: v.contiguous().bfloat16() for k, v in hf_state.items()}, ckpt / "model.safetensors")
+    (ckpt / "config.json").write_text(json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]}))
+
+    gen = Generator(
+        GeneratorConfig(load_format="auto"),
+        model_config=ModelConfig(hf_checkpoint=str(ckpt)),
+        shape=shape, seed=0, device="cpu", workdir=tmp_path,
+    )
+    assert gen.weight_version == 0
+    assert max_logprob_error(gen.generate(PROMPTS, n=2, seed=0), model) < LOGPROB_ATOL

@@ -1,0 +1,63 @@
+"""Shared by the tests: a tiny Qwen3, a generator on it, and a reference forward."""
+
+import copy
+from pathlib import Path
+
+import torch
+
+from torchtitan_rl.config import GeneratorConfig, ModelConfig
+from torchtitan_rl.models.qwen3 import Qwen3Shape, build_titan_model, resolve_shape
+
+PROMPTS = [[1, 4, 5, 6, 14], [1, 7, 7, 2, 14], [1, 13, 4, 9, 14]]
+
+# bf16 keeps 8 mantissa bits (relative rounding 2^-9 ~ 2e-3 per op). vLLM's CPU
+# attention kernel and the trainer's SDPA sum in different orders over bf16
+# activations, so logprobs of the tiny model differ by ~2e-3 (measured max
+# 1.9e-3); 2e-2 leaves headroom while two different weight sets differ by ~0.5.
+LOGPROB_ATOL = 2e-2
+
+
+def tiny_shape() -> Qwen3Shape:
+    return resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
+
+
+def native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's live tensors: parameters and buffers, torchtitan names."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """torchtitan's checkpoint-format state dict (wqkv split into wq/wk/wv) + buffers."""
+    return {**model.state_dict(), **dict(model.named_buffers())}
+
+
+def make_generator(workdir: Path, **overrides):
+    from torchtitan_rl.generator.generator import Generator
+
+    config = GeneratorConfig(**overrides)
+    return Generator(
+        config, model_config=ModelConfig(), shape=tiny_shape(), seed=0, device="cpu", workdir=workdir
+    )
+
+
+def trainer_model(seed: int) -> torch.nn.Module:
+    return build_titan_model(tiny_shape(), seed=seed)
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Independent forward of the trainer's model: bf16 weights, fp32 buffers."""
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        p.data = p.data.bfloat16()
+    tokens = torch.tensor([prompt + completion])
+    logits = m(tokens).float()
+    lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, tokens[0, 1:, None])[:, 0]
+    return lp[len(prompt) - 1 :]
+
+
+def max_logprob_error(rollouts, model) -> float:
+    return max(
+        (torch.tensor(lps) - reference_logprobs(model, p, c)).abs().max().item()
+        for p, c, lps in zip(rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs)
+    )

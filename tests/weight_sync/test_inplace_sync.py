@@ -1,0 +1,137 @@
+"""The colocated sync, proven by what the real vLLM engine computes afterwards."""
+
+import pytest
+import torch
+
+from tests.helpers import (
+    LOGPROB_ATOL,
+    PROMPTS,
+    checkpoint_state,
+    make_generator,
+    max_logprob_error,
+    native_state,
+    trainer_model,
+)
+from torchtitan_rl.config import WeightSyncConfig
+from torchtitan_rl.weight_sync import WeightSync
+
+
+@pytest.fixture(scope="module")
+def generator(tmp_path_factory):
+    return make_generator(tmp_path_factory.mktemp("gen"))
+
+
+def _sync(generator, state, version, **cfg):
+    ws = WeightSync(WeightSyncConfig(**cfg), reference=state, generator=generator)
+    return ws, ws.sync(state, version=version)
+
+
+def test_logprobs_match_trainer_for_two_weight_sets_in_a_row(generator):
+    first, second = trainer_model(seed=1), trainer_model(seed=2)
+    _sync(generator, native_state(first), 1)
+    r1 = generator.generate(PROMPTS, n=2, seed=0)
+    assert r1.weight_version == 1
+    assert max_logprob_error(r1, first) < LOGPROB_ATOL
+
+    # Same prompts again: a stale prefix-cache entry or a partial write would show here.
+    _sync(generator, checkpoint_state(second), 2)
+    r2 = generator.generate(PROMPTS, n=2, seed=0)
+    assert r2.weight_version == 2
+    assert max_logprob_error(r2, second) < LOGPROB_ATOL
+    assert max_logprob_error(r2, first) > 10 * LOGPROB_ATOL
+
+
+def test_bf16_source_is_accepted_and_matches(generator):
+    model = trainer_model(seed=3)
+    bf16_state = {k: v.detach().bfloat16() if v.dtype == torch.float32 and "rope" not in k else v
+                  for k, v in native_state(model).items()}
+    _sync(generator, bf16_state, 3)
+    assert max_logprob_error(generator.generate(PROMPTS[:1], n=2, seed=1), model) < LOGPROB_ATOL
+
+
+def test_rope_buffer_is_carried_by_the_sync(generator):
+    model = trainer_model(seed=4)
+    state = native_state(model)
+    _sync(generator, state, 4)
+    rope_key = next(k for k in state if k.endswith("rope.cache"))
+    gen_rope = generator.model.all_tensors()[rope_key]
+    assert torch.equal(gen_rope, state[rope_key])
+    # Change only the trainer's buffer: the generator must follow it.
+    with torch.no_grad():
+        for k in state:
+            if k.endswith("rope.cache"):
+                state[k].mul_(0.5)
+    _sync(generator, state, 5)
+    assert max_logprob_error(generator.generate(PROMPTS, n=1, seed=2), model) < LOGPROB_ATOL
+    assert torch.equal(gen_rope, state[rope_key])
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda s: s.pop("norm.weight"), "missing ['norm.weight']"),
+        (lambda s: s.__setitem__("extra.weight", torch.zeros(3)), "unexpected ['extra.weight']"),
+        (lambda s: s.__setitem__("norm.weight", torch.ones(65)), "norm.weight (65,) != (64,)"),
+        (lambda s: s["layers.1.feed_forward.w2.weight"].view(-1)[7].fill_(float("nan")),
+         "layers.1.feed_forward.w2.weight"),
+        (lambda s: s["tok_embeddings.weight"].view(-1)[0].fill_(float("inf")), "tok_embeddings.weight"),
+    ],
+    ids=["missing", "extra", "shape", "nan", "inf"],
+)
+def test_bad_state_dict_is_rejected_and_previous_weights_kept(generator, corrupt, message):
+    good = trainer_model(seed=6)
+    ws, _ = _sync(generator, native_state(good), 6)
+    before = generator.generate(PROMPTS, n=1, seed=3)
+
+    bad = {k: v.detach().clone() for k, v in native_state(trainer_model(seed=7)).items()}
+    corrupt(bad)
+    with pytest.raises(ValueError) as err:
+        ws.sync(bad, version=7)
+    assert message in str(err.value)
+
+    assert generator.weight_version == 6
+    after = generator.generate(PROMPTS, n=1, seed=3)
+    assert after.completion_ids == before.completion_ids
+    assert max_logprob_error(after, good) < LOGPROB_ATOL
+
+
+def test_tied_embedding_is_written_once_and_both_names_accepted(generator):
+    model = trainer_model(seed=8)
+    state = checkpoint_state(model)  # has both tok_embeddings.weight and lm_head.weight
+    assert state["lm_head.weight"].data_ptr() == state["tok_embeddings.weight"].data_ptr()
+    ws, stats = _sync(generator, state, 8)
+    assert ws.plan.aliases == {"lm_head.weight": "tok_embeddings.weight"}
+    assert max_logprob_error(generator.generate(PROMPTS, n=1, seed=4), model) < LOGPROB_ATOL
+
+
+def test_full_verification_catches_a_write_that_did_not_land(generator, monkeypatch):
+    model = trainer_model(seed=9)
+    state = native_state(model)
+    ws = WeightSync(WeightSyncConfig(verify="full"), reference=state, generator=generator)
+    real_copy = torch._foreach_copy_
+
+    def lossy_copy(dests, srcs):
+        real_copy(dests[1:], srcs[1:])  # drops the first tensor of every bucket
+
+    monkeypatch.setattr(torch, "_foreach_copy_", lossy_copy)
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        ws.sync(state, version=9)
+    monkeypatch.undo()
+    # Half-written weights are never served.
+    assert generator.weight_version is None
+    with pytest.raises(RuntimeError, match="no weights synced"):
+        generator.generate(PROMPTS, n=1)
+    ws.sync(state, version=10)
+    assert max_logprob_error(generator.generate(PROMPTS, n=1, seed=5), model) < LOGPROB_ATOL
+
+
+def test_sampled_verification_covers_every_tensor_over_successive_syncs(generator):
+    state = native_state(trainer_model(seed=10))
+    ws = WeightSync(WeightSyncConfig(verify="sampled", verify_samples=3), reference=state, generator=generator)
+    from torchtitan_rl.weight_sync.verify import pick_entries
+
+    seen = set()
+    for version in range(len(ws.keys)):
+        seen |= pick_entries(ws.keys, "sampled", 3, version)
+    assert seen == set(ws.keys)
+    assert ws.sync(state, version=11).tensors_verified == 3 + len(ws.plan.constants)
