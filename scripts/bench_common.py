@@ -1,0 +1,64 @@
+"""Shared by the scripts/bench_*.py: timing and writing tables to docs/benchmarks.md."""
+
+import datetime
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, *, device: str, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` with the device drained before each read."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    import os
+
+    return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__})"
+
+
+def write_section(name: str, *, device: str, body: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace (or add) the section ``name`` of docs/benchmarks.md."""
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    today = datetime.date.today().isoformat()
+    section = (
+        f"<!-- {name} -->\n## {name}\n\n"
+        f"- command: `{command}`\n- machine: {machine(device)}\n- date: {today}\n\n"
+        f"{body.rstrip()}\n<!-- /{name} -->\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text() if path.exists() else "# Benchmarks\n\nEvery table: the command that made it, the machine, the date.\n\n"
+    pattern = re.compile(rf"<!-- {re.escape(name)} -->.*?<!-- /{re.escape(name)} -->\n", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section
+    path.write_text(text)
+    print(section)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
