@@ -71,3 +71,31 @@ def vllm_model(engine):
     models = engine.apply_model(lambda model: model)
     assert len(models) == 1, "expected one in-process worker"
     return models[0]
+
+
+def titan_mesh_device_type(device_type: str) -> None:
+    """Make torchtitan's ParallelDims build its meshes on ``device_type``.
+
+    torchtitan 0.3.0 fixes the mesh device type at import time and falls back
+    to "cuda" on a machine without an accelerator, so a CPU trainer needs this.
+    """
+    import torchtitan.distributed.parallel_dims as parallel_dims
+
+    parallel_dims.device_type = device_type
+
+
+def enable_batch_invariant_kernels() -> None:
+    """Install vLLM's batch-invariant aten overrides (CUDA) in this process.
+
+    The trainer then computes with the same mm/log_softmax/mean kernels as a
+    colocated vLLM engine started with VLLM_BATCH_INVARIANT=1 (idempotent).
+    """
+    try:
+        from vllm.model_executor.determinism.batch_invariant import (  # vLLM >= 0.30
+            enable_batch_invariant_mode,
+        )
+    except ImportError:
+        from vllm.model_executor.layers.batch_invariant import (  # vLLM 0.26
+            enable_batch_invariant_mode,
+        )
+    enable_batch_invariant_mode()

@@ -1,0 +1,79 @@
+"""Process group, torchtitan ParallelDims and determinism flags for the trainer.
+
+The trainer always runs inside a process group, also as a single process:
+FSDP then wraps the model the same way at every world size, so one process
+and many compute with the same bf16 copies of the fp32 master weights.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import compat
+from torchtitan_rl.config.job_config import ParallelismConfig
+from torchtitan.distributed import ParallelDims
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join torchrun's process group, or start a one-process group; reuse one that exists."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        return
+    # Not launched by torchrun: a private store on a free local port (port 0).
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+
+
+def build_parallel_dims(
+    parallelism: ParallelismConfig, *, world_size: int, device: torch.device
+) -> ParallelDims:
+    """torchtitan's ParallelDims for the trainer's degrees, checked against the world size."""
+    path = "trainer.parallelism"
+    shard = parallelism.data_parallel_shard_degree
+    replicate, tp = parallelism.data_parallel_replicate_degree, parallelism.tensor_parallel_degree
+    if shard != -1 and shard < 1:
+        raise ValueError(f"{path}.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
+    for name, value in (("data_parallel_replicate_degree", replicate), ("tensor_parallel_degree", tp)):
+        if value < 1:
+            raise ValueError(f"{path}.{name}: must be >= 1, got {value}")
+    if shard == -1:
+        if world_size % (replicate * tp):
+            raise ValueError(
+                f"{path}: data_parallel_replicate_degree ({replicate}) * tensor_parallel_degree "
+                f"({tp}) does not divide world size {world_size}"
+            )
+        shard = world_size // (replicate * tp)
+    if shard * replicate * tp != world_size:
+        raise ValueError(
+            f"{path}: data_parallel_shard_degree ({shard}) * data_parallel_replicate_degree "
+            f"({replicate}) * tensor_parallel_degree ({tp}) != world size {world_size}"
+        )
+    compat.titan_mesh_device_type(device.type)
+    dims = ParallelDims(
+        dp_replicate=replicate, dp_shard=shard, cp=1, tp=tp, pp=1, ep=1,
+        world_size=world_size,
+        # The DTensor-only path: FSDP2 over a "fsdp" mesh that torchtitan keeps
+        # real even at degree 1, TP through the model's own parallelize().
+        spmd_backend="partial_dtensor",
+    )
+    dims.build_mesh()
+    return dims
+
+
+def set_determinism(device: torch.device) -> None:
+    """Deterministic kernels: same seed and batches give bitwise-identical steps."""
+    # warn_only: an op without a deterministic kernel warns instead of failing a run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Filling every torch.empty with NaN costs time and buys nothing here.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    if device.type == "cuda":
+        # Read when cuBLAS initialises: effective only before the first CUDA matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -1,0 +1,344 @@
+"""The trainer: torchtitan's Qwen3 under FSDP2, fp32 master weights, bf16 compute.
+
+Built once per run from TrainerConfig. Every method is collective: all ranks
+call it in the same order, each with its own shard of the data.
+
+Mixed precision is FSDP2's: parameters live in fp32 (the optimizer's master
+weights) and each forward all-gathers a ``model.dtype`` copy of them, so the
+trainer computes with exactly the bf16 weights the generator gets from the
+same fp32 masters. Gradients are reduced in fp32. The model is wrapped even
+as a single process, so one process and many compute alike.
+"""
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rl import compat
+from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
+from torchtitan_rl.grpo.loss import grpo_loss
+from torchtitan_rl.models.qwen3 import Qwen3Shape, titan_config
+from torchtitan_rl.trainer import checkpoint
+from torchtitan_rl.trainer.distributed import (
+    build_parallel_dims,
+    init_process_group,
+    set_determinism,
+)
+from torchtitan_rl.trainer.hf_weights import load_hf_weights
+from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler
+from torchtitan.config import CompileConfig, TrainingConfig
+from torchtitan.config import ParallelismConfig as TitanParallelismConfig
+from torchtitan.models.qwen3 import parallelize_qwen3
+
+
+@dataclass
+class TrainBatch:
+    """One rank's share of a step's rollouts, right-padded to a common length L."""
+
+    tokens_BL: torch.Tensor
+    """Prompt + completion token ids (long), right-padded with the pad id."""
+    loss_mask_BL: torch.Tensor
+    """1 where tokens_BL[:, t] is a scored completion token; column 0 is always 0."""
+    old_logprobs_BL: torch.Tensor
+    """float32 generator logprob of tokens_BL[:, t] at scored positions, 0 elsewhere."""
+    advantages_B: torch.Tensor
+    """float32 advantage of each sequence."""
+    ref_logprobs_BL: torch.Tensor | None = None
+    """float32 reference-model logprobs, needed when grpo.kl_coef > 0."""
+
+
+class Trainer:
+    """torchtitan's Qwen3 (FSDP2, fp32 masters, bf16 compute) trained with the GRPO loss."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        model_config: ModelConfig,
+        shape: Qwen3Shape,
+        seed: int,
+        device: torch.device,
+        output_dir: Path,
+        batch_invariant: bool = False,
+    ) -> None:
+        if config.micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {config.micro_batch_size}")
+        if config.max_grad_norm < 0:
+            raise ValueError(f"trainer.max_grad_norm: must be >= 0, got {config.max_grad_norm}")
+        self.config = config
+        self.device = torch.device(device)
+        self.output_dir = Path(output_dir)
+        set_determinism(self.device)
+        if batch_invariant and self.device.type == "cuda":
+            # vLLM's CPU backend has no batch-invariant kernels, so nothing to match on CPU.
+            compat.enable_batch_invariant_kernels()
+        init_process_group(self.device)
+        self.parallel_dims = build_parallel_dims(
+            config.parallelism, world_size=dist.get_world_size(), device=self.device
+        )
+        batch_mesh = self.parallel_dims.get_optional_mesh("batch")
+        self.dp_rank = batch_mesh.get_local_rank() if batch_mesh is not None else 0
+        """This rank's index among data-parallel ranks: which shard of the data it trains on."""
+        self.dp_size = batch_mesh.size() if batch_mesh is not None else 1
+        """Number of data-parallel ranks (distinct data shards)."""
+        loss_mesh = self.parallel_dims.get_optional_mesh("loss")
+        self._dp_group = loss_mesh.get_group() if loss_mesh is not None else None
+
+        titan_parallelism = TitanParallelismConfig(
+            data_parallel_replicate_degree=self.parallel_dims.dp_replicate,
+            data_parallel_shard_degree=self.parallel_dims.dp_shard,
+            tensor_parallel_degree=self.parallel_dims.tp,
+            spmd_backend="partial_dtensor",
+        )
+        # Every rank builds the whole fp32 model from the same seed (or HF
+        # weights), then parallelize keeps each rank's shard: init is world-size free.
+        model = _build_model(shape, seed=seed, device=self.device, parallelism=titan_parallelism)
+        if model_config.hf_checkpoint is not None:
+            load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
+        self.model = parallelize_qwen3(
+            model,
+            parallel_dims=self.parallel_dims,
+            training=TrainingConfig(
+                mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32"
+            ),
+            parallelism=titan_parallelism,
+            compile_config=CompileConfig(enable=False),
+            ac_config=None,
+            dump_folder=str(self.output_dir),
+        )
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                # torchtitan turns off FSDP's gradient averaging (we normalise by the
+                # global token count), and FSDP then reduces with PREMUL_SUM(1.0),
+                # which gloo lacks; a plain SUM is the same reduction.
+                module.set_force_sum_reduction_for_comms(True)
+        self.model.train()  # RoPE buffers stay fp32: FSDP's mixed precision casts parameters only
+
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            foreach=True,  # one implementation on CPU and GPU, DTensor-aware
+        )
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, config.lr_scheduler, total_steps=config.steps
+        )
+        self.step = 0
+        """Optimizer steps taken."""
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_state(self) -> dict[str, torch.Tensor]:
+        """The live parameters and buffers by name (DTensors when sharded), no copies."""
+        return {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+
+    # ----------------------------------------------------------------- logprobs
+
+    def token_logprobs(self, tokens_BL: torch.Tensor, *, temperature: float) -> torch.Tensor:
+        """float32 [B, L]: log p(tokens_BL[:, t] | tokens_BL[:, :t]) at temperature; column 0 is 0."""
+        _check_temperature(temperature)
+        tokens_BL = tokens_BL.to(self.device)
+        out = []
+        with torch.no_grad():
+            for rows in self._micro_batches(tokens_BL.shape[0]):
+                if rows is None:
+                    self._logprobs(_dummy_tokens(tokens_BL), temperature)
+                else:
+                    out.append(self._logprobs(tokens_BL[rows], temperature))
+        self._reshard()
+        if not out:
+            return torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
+        return torch.cat(out)
+
+    def _reshard(self) -> None:
+        """Register the fp32 shards again after no-grad forwards.
+
+        FSDP keeps the last groups (embedding, norm, lm_head) unsharded after a
+        forward, expecting a backward; without one, the model would expose
+        their bf16 unsharded copies to sync_state and the optimizer-state lookup.
+        """
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def _logprobs(self, tokens_BL: torch.Tensor, temperature: float) -> torch.Tensor:
+        logits_BLV = self.model(tokens_BL)
+        if isinstance(logits_BLV, DTensor):  # tensor parallel: vocab-sharded logits
+            logits_BLV = logits_BLV.full_tensor()
+        # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
+        logits_BLV = logits_BLV[:, :-1].float() / temperature
+        logprobs_BL = torch.log_softmax(logits_BLV, dim=-1)
+        logprobs_BL = logprobs_BL.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
+        return F.pad(logprobs_BL, (1, 0))  # position 0 has no context to be predicted from
+
+    def _micro_batches(self, batch_size: int) -> list[slice | None]:
+        """This rank's micro-batch row slices, padded with None to the most any rank has.
+
+        FSDP all-gathers parameters in every forward and reduce-scatters in every
+        backward, so all ranks must run the same number of micro-batches.
+        """
+        size = self.config.micro_batch_size
+        slices = [slice(i, i + size) for i in range(0, batch_size, size)]
+        count = len(slices)
+        if dist.get_world_size() > 1:
+            count_t = torch.tensor(count, device=self.device)
+            dist.all_reduce(count_t, op=dist.ReduceOp.MAX)
+            count = int(count_t.item())
+        return slices + [None] * (count - len(slices))
+
+    # ------------------------------------------------------------------- train
+
+    def train_step(
+        self, batch: TrainBatch, *, temperature: float, grpo: GRPOConfig
+    ) -> dict[str, float]:
+        """One optimizer step on the global batch (every rank passes its own shard)."""
+        _check_temperature(temperature)
+        if grpo.kl_coef > 0 and batch.ref_logprobs_BL is None:
+            raise ValueError("grpo.kl_coef: > 0 needs TrainBatch.ref_logprobs_BL")
+        tokens_BL = batch.tokens_BL.to(self.device)
+        mask_BL = batch.loss_mask_BL.to(self.device)
+        old_BL = batch.old_logprobs_BL.to(self.device)
+        adv_B = batch.advantages_B.to(self.device)
+        ref_BL = batch.ref_logprobs_BL
+        ref_BL = ref_BL.to(self.device) if ref_BL is not None else None
+        assert not mask_BL[:, 0].any(), "loss_mask_BL[:, 0] must be 0: position 0 has no logprob"
+
+        # One normaliser for the global batch: summed over micro-batches and
+        # ranks, the per-micro-batch losses and gradients are the full-batch ones.
+        num_tokens = int(self._dp_sum(mask_BL.sum(dtype=torch.float64).reshape(1)).item())
+        if num_tokens == 0:
+            raise ValueError("train_step: the batch has no scored tokens (loss_mask_BL is all 0)")
+
+        self.optimizer.zero_grad(set_to_none=True)
+        # loss, tokens and token-weighted sums of clip_fraction, kl, ratio_mean
+        totals = [0.0] * 5
+        for rows in self._micro_batches(tokens_BL.shape[0]):
+            if rows is None:
+                # Another rank has more micro-batches: join its collectives, add nothing.
+                (self._logprobs(_dummy_tokens(tokens_BL), temperature).sum() * 0.0).backward()
+                continue
+            logprobs_BL = self._logprobs(tokens_BL[rows], temperature)
+            loss, m = grpo_loss(
+                logprobs_BL,
+                old_BL[rows],
+                adv_B[rows],
+                mask_BL[rows],
+                clip_eps_low=grpo.clip_eps_low,
+                clip_eps_high=grpo.clip_eps_high,
+                ref_logprobs_BT=ref_BL[rows] if ref_BL is not None else None,
+                kl_coef=grpo.kl_coef,
+                num_tokens=num_tokens,
+            )
+            loss.backward()
+            n = m["tokens"]
+            for i, value in enumerate(
+                (m["loss"], n, m["clip_fraction"] * n, m["kl"] * n, m["ratio_mean"] * n)
+            ):
+                totals[i] += value
+
+        grad_norm = self._clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+
+        loss, tokens, clip_sum, kl_sum, ratio_sum = self._dp_sum(
+            torch.tensor(totals, dtype=torch.float64, device=self.device)
+        ).tolist()
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "clip_fraction": clip_sum / tokens,
+            "kl": kl_sum / tokens,
+            "ratio_mean": ratio_sum / tokens,
+            "tokens": tokens,
+        }
+
+    def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks (tensor-parallel peers hold the same data)."""
+        if self._dp_group is not None:
+            dist.all_reduce(x, group=self._dp_group)
+        return x
+
+    def _clip_grad_norm(self) -> float:
+        """Global gradient norm before clipping; clips to max_grad_norm unless it is 0."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if isinstance(norm, DTensor):  # partial per-shard norms -> the global one
+            norm = norm.full_tensor()
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(
+                params, self.config.max_grad_norm, norm, foreach=True
+            )
+        return norm.item()
+
+    # -------------------------------------------------------------- checkpoint
+
+    @property
+    def checkpoint_folder(self) -> Path:
+        """Where step-N checkpoints live: output_dir / trainer.checkpoint.folder."""
+        return self.output_dir / self.config.checkpoint.folder
+
+    def save_checkpoint(self, step: int, *, extra: dict | None = None) -> Path:
+        """Atomically write step-``step`` (model, optimizer, lr schedule, step, extra)."""
+        return checkpoint.save(
+            self.checkpoint_folder,
+            step=step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            extra=extra,
+            trainer_step=self.step,
+            keep_latest=self.config.checkpoint.keep_latest,
+        )
+
+    def load_latest_checkpoint(self) -> dict | None:
+        """Restore the newest complete checkpoint; its ``extra`` ({} if none), or None if none exists."""
+        found = checkpoint.complete_checkpoints(self.checkpoint_folder)
+        # Rank 0 decides, so ranks racing a listing never load different steps.
+        choice = [found[-1][1] if found else None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        state = checkpoint.load(
+            choice[0], model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        self.step = state["trainer_step"]
+        return state["extra"] if state["extra"] is not None else {}
+
+
+def _build_model(
+    shape: Qwen3Shape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig
+) -> torch.nn.Module:
+    """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
+    config = titan_config(shape)
+    # torchtitan attaches each module's TP layout to its config before build;
+    # its parallelize() applies it only when tensor_parallel_degree > 1.
+    config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=device)
+    return model
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"generator.sampling.temperature: must be > 0, got {temperature}")
+
+
+def _dummy_tokens(tokens_BL: torch.Tensor) -> torch.Tensor:
+    """One all-pad row shaped like the batch, for a rank that ran out of micro-batches."""
+    return tokens_BL.new_zeros((1, tokens_BL.shape[1]))
