@@ -5,6 +5,7 @@ both with torchtitan 0.3.0. Importing this module patches what torchtitan
 0.3.0 needs on torch 2.11, so import it before torchtitan.
 """
 
+import contextlib
 import dataclasses
 import os
 
@@ -63,7 +64,39 @@ def build_llm_engine(
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
-    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    with _private_world():
+        return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+@contextlib.contextmanager
+def _private_world():
+    """Let an in-process engine on one rank of a larger trainer world stand alone.
+
+    vLLM builds its groups over the default process group's whole world, and
+    ``new_group`` is collective: the trainer's other ranks, which hold no
+    generator, would never join and startup would hang. While the engine is
+    built, the default world looks like one rank and groups synchronise
+    locally (only their members take part).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    real_world_size, real_new_group = dist.get_world_size, dist.new_group
+
+    def world_size(group=None):
+        return 1 if group is None else real_world_size(group)
+
+    def new_group(ranks=None, *args, **kwargs):
+        kwargs["use_local_synchronization"] = True
+        return real_new_group(ranks, *args, **kwargs)
+
+    dist.get_world_size, dist.new_group = world_size, new_group
+    try:
+        yield
+    finally:
+        dist.get_world_size, dist.new_group = real_world_size, real_new_group
 
 
 def vllm_model(engine):

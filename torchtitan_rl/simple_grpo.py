@@ -1,21 +1,209 @@
-"""Entry point: python -m torchtitan_rl.simple_grpo --config run_configs/cpu_tiny.toml
+"""GRPO, end to end: python -m torchtitan_rl.simple_grpo --config run_configs/cpu_tiny.toml
 
-Temporary stub: parses, validates and records the config; the GRPO loop lands
-here later. Keep heavy imports (torch, vLLM) inside main() after parse_args so
-that --help and config errors stay instant.
+Each step: sync -> generate -> score -> advantages -> recompute logprobs ->
+loss + optimizer step -> log. Every rank runs this file (torchrun for more
+than one); rank 0 also holds the vLLM generator. Heavy imports stay inside
+``run`` so that --help and config errors are instant.
 """
 
+import time
 from pathlib import Path
 
-from torchtitan_rl.config import parse_args, write_toml
+from torchtitan_rl.config import JobConfig, parse_args, write_toml
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
+    run(cfg)
+
+
+def run(cfg: JobConfig) -> list[dict]:
+    """Train; returns the per-step metrics (rank 0 has them all)."""
+    import random
+
+    import torch
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.grpo import build_task, group_advantages
+    from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
+    from torchtitan_rl.metrics import MetricsLogger
+    from torchtitan_rl.models.qwen3 import resolve_shape
+    from torchtitan_rl.trainer import Trainer
+    from torchtitan_rl.trainer.trainer import TrainBatch
+    from torchtitan_rl.weight_sync import WeightSync
+
+    started = time.perf_counter()
     out = Path(cfg.job.output_dir)
-    write_toml(cfg, out / "config.toml")
-    print(f"torchtitan_rl: resolved config written to {out / 'config.toml'}")
-    print("torchtitan_rl: training loop not yet implemented")
+    task = build_task(cfg.grpo.task)
+    device = _device(cfg.job.device)
+    shape = resolve_shape(
+        flavor=cfg.model.flavor,
+        hf_checkpoint=cfg.model.hf_checkpoint,
+        vocab_size=cfg.model.vocab_size or (task.vocab_size if cfg.model.flavor == "tiny" else 0),
+        max_seq_len=cfg.model.max_seq_len,
+    )
+    if shape.vocab_size < task.vocab_size:
+        raise ValueError(f"model.vocab_size: {shape.vocab_size} < the task's {task.vocab_size}")
+
+    def build_trainer() -> Trainer:
+        return Trainer(
+            cfg.trainer, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
+            device=device, output_dir=out, batch_invariant=cfg.batch_invariant_mode,
+        )
+
+    trainer = build_trainer()
+    reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = None
+    if rank == 0:
+        write_toml(cfg, out / "config.toml")
+        generator = Generator(
+            cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
+            device=device.type, workdir=out, batch_invariant=cfg.batch_invariant_mode,
+        )
+    sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator)
+
+    prompt_rng = random.Random(cfg.job.seed)
+    start = 0
+    if cfg.resume:
+        extra = trainer.load_latest_checkpoint()
+        if extra is not None:
+            prompt_rng.setstate(_tuples(extra["prompt_rng"]))
+            start = trainer.step
+
+    P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+    if (P * G) % world:
+        raise ValueError(f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {world} ranks")
+    temperature = cfg.generator.sampling.temperature
+    logger = MetricsLogger(out, enabled=rank == 0)
+    bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
+    for step in bar:
+        t_step = time.perf_counter()
+        # 1. sync: the generator serves the trainer's current weights (negative
+        #    control: only the first sync, so the generator keeps step-0 weights).
+        sync_s = 0.0
+        if cfg.weight_sync.enable or step == start:
+            sync_s = sync.sync(trainer.sync_state(), version=step).seconds
+
+        # 2. generate on rank 0; every rank gets the rollouts.
+        prompts = task.sample_prompts(P, generator=prompt_rng)
+        t_gen = time.perf_counter()
+        payload = [None]
+        if rank == 0:
+            payload = [
+                generator.generate(
+                    [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
+                    seed=cfg.job.seed * 1_000_003 + step,
+                )
+            ]
+        if world > 1:
+            dist.broadcast_object_list(payload, src=0)
+        rollouts = payload[0]
+        gen_s = time.perf_counter() - t_gen
+
+        # 3. score, 4. group-relative advantages
+        rewards_B = torch.tensor(
+            [task.reward(prompts[i // G], c) for i, c in enumerate(rollouts.completion_ids)]
+        )
+        advantages_B = group_advantages(rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
+
+        # 5. this rank's rows; the trainer recomputes their logprobs
+        tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
+            rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id
+        )
+        rows = slice(rank * (P * G // world), (rank + 1) * (P * G // world))
+        trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature).cpu()
+        mismatch = _reduce_mismatch(
+            logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
+        )
+        ref_lp_BL = (
+            reference.token_logprobs(tokens_BL[rows], temperature=temperature).cpu() if reference else None
+        )
+
+        # 6. clipped policy-gradient step
+        t_train = time.perf_counter()
+        metrics = trainer.train_step(
+            TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL),
+            temperature=temperature, grpo=cfg.grpo,
+        )
+        train_s = time.perf_counter() - t_train
+
+        if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
+            trainer.save_checkpoint(step + 1, extra={"prompt_rng": prompt_rng.getstate()})
+
+        # 7. log
+        completion_tokens = sum(len(c) for c in rollouts.completion_ids)
+        record = {
+            "reward_mean": rewards_B.mean().item(),
+            "reward_max": rewards_B.max().item(),
+            **metrics,
+            **mismatch,
+            "weight_version": rollouts.weight_version,
+            "gen_tokens_per_s": completion_tokens / max(gen_s, 1e-9),
+            "sync_s": sync_s,
+            "generate_s": gen_s,
+            "train_s": train_s,
+            "step_s": time.perf_counter() - t_step,
+        }
+        logger.log(step, record)
+        bar.set_postfix(
+            reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}", kl=f"{record['kl']:.4f}",
+            mismatch=f"{record['mismatch_mean']:.1e}", tok_s=f"{record['gen_tokens_per_s']:.0f}",
+        )
+
+    plot = logger.close()
+    history = logger.history
+    if rank == 0 and history:
+        k = max(1, min(5, len(history) // 4))
+        first = sum(r["reward_mean"] for r in history[:k]) / k
+        last = sum(r["reward_mean"] for r in history[-k:]) / k
+        print(
+            f"torchtitan_rl: mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
+            f"steps {start}..{cfg.trainer.steps}; wall {time.perf_counter() - started:.1f} s; "
+            f"metrics {out / 'metrics.jsonl'}; plot {plot}"
+        )
+    return history
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(name)
+
+
+def _reduce_mismatch(local: dict[str, float], mask_BL, device) -> dict[str, float]:
+    """Mean/max/fraction over all ranks' tokens (each rank saw its own rows)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return local
+    n = mask_BL.sum().item()
+    sums = torch.tensor(
+        [local["mismatch_mean"] * n, local["mismatch_frac_tokens"] * n, n], dtype=torch.float64, device=device
+    )
+    peak = torch.tensor([local["mismatch_max"]], dtype=torch.float64, device=device)
+    dist.all_reduce(sums)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    total = max(sums[2].item(), 1.0)
+    return {
+        "mismatch_mean": sums[0].item() / total,
+        "mismatch_max": peak.item(),
+        "mismatch_frac_tokens": sums[1].item() / total,
+    }
+
+
+def _tuples(state):
+    """random.Random state after a JSON-like round trip: lists back to tuples."""
+    return tuple(_tuples(s) for s in state) if isinstance(state, (list, tuple)) else state
 
 
 if __name__ == "__main__":

@@ -185,3 +185,5 @@ class JobConfig:
     """Trainer -> generator weight sync."""
     batch_invariant_mode: bool = False
     """Bitwise-identical trainer and generator logprobs (both sides switch kernels)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in the output folder."""

@@ -31,6 +31,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor; gathers (collectively) only when shards live elsewhere."""
+    if not isinstance(t, DTensor):
+        return t
+    # Decided from the layout, which every rank shares, so all ranks agree on
+    # whether to join the gather.
+    if t.device_mesh.size() == 1 or all(p.is_replicate() for p in t.placements):
+        return t.to_local()
+    return t.full_tensor()
+
+
 class WeightSync:
     """Moves trainer state dicts into a colocated generator.
 
@@ -123,9 +134,7 @@ class WeightSync:
         verified = 0
         for bucket in self.buckets:
             # full_tensor() is the collective gather of a sharded DTensor.
-            sources = [
-                state[k].full_tensor() if isinstance(state[k], DTensor) else state[k] for k in bucket
-            ]
+            sources = [_full(state[k]) for k in bucket]
             if self.plan is None:
                 continue
             dests = [entries[k].dest for k in bucket]

@@ -1,0 +1,42 @@
+"""Rollouts -> padded training tensors, and the trainer-vs-generator mismatch."""
+
+import torch
+
+
+def pack_rollouts(
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    generator_logprobs: list[list[float]],
+    *,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens_BL (right-padded), loss_mask_BL, gen_logprobs_BL.
+
+    Position t of loss_mask_BL / gen_logprobs_BL refers to token tokens_BL[:, t]
+    (the trainer's logprob convention): completion tokens are scored, prompt
+    and padding are not.
+    """
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+    B, L = len(lengths), max(lengths)
+    tokens_BL = torch.full((B, L), pad_id, dtype=torch.long)
+    mask_BL = torch.zeros(B, L)
+    gen_BL = torch.zeros(B, L)
+    for b, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, generator_logprobs)):
+        assert len(c) == len(lp), "one generator logprob per completion token"
+        tokens_BL[b, : len(p) + len(c)] = torch.tensor(p + c)
+        mask_BL[b, len(p) : len(p) + len(c)] = 1
+        gen_BL[b, len(p) : len(p) + len(c)] = torch.tensor(lp)
+    return tokens_BL, mask_BL, gen_BL
+
+
+def logprob_mismatch(trainer_BL: torch.Tensor, generator_BL: torch.Tensor, mask_BL: torch.Tensor) -> dict[str, float]:
+    """Per-token |trainer - generator| logprob over scored tokens: the sync's health signal."""
+    valid = mask_BL.bool()
+    diff = (trainer_BL.float().cpu() - generator_BL.float().cpu()).abs()[valid]
+    if diff.numel() == 0:
+        return {"mismatch_mean": 0.0, "mismatch_max": 0.0, "mismatch_frac_tokens": 0.0}
+    return {
+        "mismatch_mean": diff.mean().item(),
+        "mismatch_max": diff.max().item(),
+        "mismatch_frac_tokens": (diff != 0).float().mean().item(),
+    }

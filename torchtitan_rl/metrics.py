@@ -1,0 +1,59 @@
+"""What a run shows: JSONL + TensorBoard per step, a PNG plot and a summary at the end."""
+
+import json
+from pathlib import Path
+
+
+class MetricsLogger:
+    """Writes metrics.jsonl and TensorBoard events under the output folder (rank 0 only)."""
+
+    def __init__(self, output_dir: Path, *, enabled: bool) -> None:
+        self.output_dir = Path(output_dir)
+        self.enabled = enabled
+        self.history: list[dict] = []
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.output_dir / "metrics.jsonl", "a")
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **metrics}
+        self.history.append(record)
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            self._tb.add_scalar(key, value, step)
+
+    def close(self) -> Path | None:
+        """Flush and draw reward and logprob mismatch over steps; returns the PNG path."""
+        if not self.enabled:
+            return None
+        self._jsonl.close()
+        self._tb.close()
+        if not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in self.history]
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+        top.plot(steps, [r["reward_mean"] for r in self.history], label="mean reward")
+        top.set_ylabel("reward")
+        top.legend()
+        bottom.plot(steps, [r["mismatch_mean"] for r in self.history], label="mean |Δ logprob|")
+        bottom.plot(steps, [r["mismatch_max"] for r in self.history], label="max |Δ logprob|")
+        bottom.set_yscale("symlog", linthresh=1e-4)
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("trainer vs generator")
+        bottom.legend()
+        fig.tight_layout()
+        path = self.output_dir / "reward_and_mismatch.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
