@@ -1,0 +1,74 @@
+"""Run by test_data_parallel under torchrun (2 ranks, gloo, CPU).
+
+argv: batch.pt out_dir. Writes out_dir/rank{r}.pt with what each phase saw.
+
+FSDP (dp_shard=2): rank r takes rows SPLITS[r] of the global batch (uneven
+on purpose: the ranks run different numbers of micro-batches), computes
+logprobs, trains one step, gathers the full parameters; then a 2-rank
+checkpoint round trip: save, step, reload into a new Trainer, step.
+
+TP (tensor_parallel_degree=2): both ranks take the whole batch.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.config.job_config import (
+    GRPOConfig,
+    ModelConfig,
+    ParallelismConfig,
+    TrainerConfig,
+)
+from torchtitan_rl.models.qwen3 import resolve_shape
+from torchtitan_rl.trainer import TrainBatch, Trainer
+
+SPLITS = [slice(0, 5), slice(5, 8)]
+
+
+def main() -> None:
+    batch_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    full = torch.load(batch_path)
+    shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
+
+    def make_trainer(**parallelism) -> Trainer:
+        return Trainer(
+            TrainerConfig(micro_batch_size=2, parallelism=ParallelismConfig(**parallelism)),
+            model_config=ModelConfig(), shape=shape,
+            seed=0, device=torch.device("cpu"), output_dir=out_dir,
+        )
+
+    trainer = make_trainer()
+    assert trainer.dp_size == 2 and trainer.dp_rank == dist.get_rank()
+    rows = SPLITS[trainer.dp_rank]
+    batch = TrainBatch(**{k: v[rows] for k, v in full.items()})
+    grpo = GRPOConfig()
+    logprobs = trainer.token_logprobs(batch.tokens_BL, temperature=1.0)
+    metrics = trainer.train_step(batch, temperature=1.0, grpo=grpo)
+    params = {k: v.full_tensor() for k, v in trainer.model.named_parameters()}
+
+    trainer.save_checkpoint(1)
+    second = trainer.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
+    resumed = make_trainer()
+    resumed.load_latest_checkpoint()
+    second_resumed = resumed.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
+
+    tp = make_trainer(tensor_parallel_degree=2)
+    assert tp.dp_size == 1
+    whole = TrainBatch(**full)
+    tp_logprobs = tp.token_logprobs(whole.tokens_BL, temperature=1.0)
+    tp_metrics = tp.train_step(whole, temperature=1.0, grpo=grpo)
+
+    torch.save(
+        {"metrics": metrics, "params": params, "logprobs": logprobs,
+         "second": second, "second_resumed": second_resumed,
+         "tp_logprobs": tp_logprobs, "tp_metrics": tp_metrics},
+        out_dir / f"rank{dist.get_rank()}.pt",
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
