@@ -5,6 +5,7 @@ FSDP then wraps the model the same way at every world size, so one process
 and many compute with the same bf16 copies of the fp32 master weights.
 """
 
+import contextlib
 import os
 
 import torch
@@ -15,19 +16,28 @@ from torchtitan_rl.config.job_config import ParallelismConfig
 from torchtitan.distributed import ParallelDims
 
 
+def local_device(device: torch.device | str) -> torch.device:
+    """The device with an index on CUDA: torchrun's LOCAL_RANK when none is given."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return device
+
+
 def init_process_group(device: torch.device) -> None:
     """Join torchrun's process group, or start a one-process group; reuse one that exists."""
     if dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend, device_id = "gloo", None
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        backend, device_id = "nccl", device
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device_id)
         return
     # Not launched by torchrun: a private store on a free local port (port 0).
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=device_id)
 
 
 def build_parallel_dims(
@@ -67,13 +77,29 @@ def build_parallel_dims(
 
 
 def set_determinism(device: torch.device) -> None:
-    """Deterministic kernels: same seed and batches give bitwise-identical steps."""
-    # warn_only: an op without a deterministic kernel warns instead of failing a run.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    # Filling every torch.empty with NaN costs time and buys nothing here.
+    """Process-wide settings that deterministic kernels need."""
+    # Deterministic mode would fill every torch.empty with NaN: time, no gain here.
     torch.utils.deterministic.fill_uninitialized_memory = False
     if device.type == "cuda":
         # Read when cuBLAS initialises: effective only before the first CUDA matmul.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """Strict deterministic kernels around the trainer's compute, restored after.
+
+    Strict, not warn_only: under warn_only torch 2.11 keeps SDPA's cuDNN and
+    flash backward on their non-deterministic algorithms (it only warns).
+    Scoped, not process-wide: a colocated vLLM engine runs ops that have no
+    deterministic kernel and would raise.
+    """
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

@@ -11,7 +11,6 @@ as a single process, so one process and many compute alike.
 """
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -27,7 +26,9 @@ from torchtitan_rl.models.qwen3 import Qwen3Shape, titan_config
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.trainer.distributed import (
     build_parallel_dims,
+    deterministic_algorithms,
     init_process_group,
+    local_device,
     set_determinism,
 )
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
@@ -35,6 +36,7 @@ from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler
 from torchtitan.config import CompileConfig, TrainingConfig
 from torchtitan.config import ParallelismConfig as TitanParallelismConfig
 from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Trainer:
         if config.max_grad_norm < 0:
             raise ValueError(f"trainer.max_grad_norm: must be >= 0, got {config.max_grad_norm}")
         self.config = config
-        self.device = torch.device(device)
+        self.device = local_device(device)
         self.output_dir = Path(output_dir)
         set_determinism(self.device)
         if batch_invariant and self.device.type == "cuda":
@@ -148,7 +150,7 @@ class Trainer:
         _check_temperature(temperature)
         tokens_BL = tokens_BL.to(self.device)
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), deterministic_algorithms():
             for rows in self._micro_batches(tokens_BL.shape[0]):
                 if rows is None:
                     self._logprobs(_dummy_tokens(tokens_BL), temperature)
@@ -218,37 +220,16 @@ class Trainer:
         if num_tokens == 0:
             raise ValueError("train_step: the batch has no scored tokens (loss_mask_BL is all 0)")
 
-        self.optimizer.zero_grad(set_to_none=True)
-        # loss, tokens and token-weighted sums of clip_fraction, kl, ratio_mean
-        totals = [0.0] * 5
-        for rows in self._micro_batches(tokens_BL.shape[0]):
-            if rows is None:
-                # Another rank has more micro-batches: join its collectives, add nothing.
-                (self._logprobs(_dummy_tokens(tokens_BL), temperature).sum() * 0.0).backward()
-                continue
-            logprobs_BL = self._logprobs(tokens_BL[rows], temperature)
-            loss, m = grpo_loss(
-                logprobs_BL,
-                old_BL[rows],
-                adv_B[rows],
-                mask_BL[rows],
-                clip_eps_low=grpo.clip_eps_low,
-                clip_eps_high=grpo.clip_eps_high,
-                ref_logprobs_BT=ref_BL[rows] if ref_BL is not None else None,
-                kl_coef=grpo.kl_coef,
-                num_tokens=num_tokens,
+        with deterministic_algorithms():
+            self.optimizer.zero_grad(set_to_none=True)
+            totals = self._accumulate_gradients(
+                tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
+                temperature=temperature, grpo=grpo, num_tokens=num_tokens,
             )
-            loss.backward()
-            n = m["tokens"]
-            for i, value in enumerate(
-                (m["loss"], n, m["clip_fraction"] * n, m["kl"] * n, m["ratio_mean"] * n)
-            ):
-                totals[i] += value
-
-        grad_norm = self._clip_grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+            grad_norm = self._clip_grad_norm()
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.scheduler.step()
         self.step += 1
 
         loss, tokens, clip_sum, kl_sum, ratio_sum = self._dp_sum(
@@ -263,6 +244,45 @@ class Trainer:
             "ratio_mean": ratio_sum / tokens,
             "tokens": tokens,
         }
+
+    def _accumulate_gradients(
+        self,
+        tokens_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        old_BL: torch.Tensor,
+        adv_B: torch.Tensor,
+        ref_BL: torch.Tensor | None,
+        *,
+        temperature: float,
+        grpo: GRPOConfig,
+        num_tokens: int,
+    ) -> list[float]:
+        """Forward/backward per micro-batch; returns this rank's metric sums.
+
+        The sums: loss, tokens, and token-weighted clip_fraction, kl, ratio_mean.
+        """
+        totals = [0.0] * 5
+        for rows in self._micro_batches(tokens_BL.shape[0]):
+            if rows is None:
+                # Another rank has more micro-batches: join its collectives, add nothing.
+                (self._logprobs(_dummy_tokens(tokens_BL), temperature).sum() * 0.0).backward()
+                continue
+            loss, m = grpo_loss(
+                self._logprobs(tokens_BL[rows], temperature),
+                old_BL[rows],
+                adv_B[rows],
+                mask_BL[rows],
+                clip_eps_low=grpo.clip_eps_low,
+                clip_eps_high=grpo.clip_eps_high,
+                ref_logprobs_BT=ref_BL[rows] if ref_BL is not None else None,
+                kl_coef=grpo.kl_coef,
+                num_tokens=num_tokens,
+            )
+            loss.backward()
+            n = m["tokens"]
+            sums = (m["loss"], n, m["clip_fraction"] * n, m["kl"] * n, m["ratio_mean"] * n)
+            totals = [t + v for t, v in zip(totals, sums)]
+        return totals
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel ranks (tensor-parallel peers hold the same data)."""
@@ -322,9 +342,19 @@ def _build_model(
 ) -> torch.nn.Module:
     """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
     config = titan_config(shape)
-    # torchtitan attaches each module's TP layout to its config before build;
-    # its parallelize() applies it only when tensor_parallel_degree > 1.
-    config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+    tp = parallelism.tensor_parallel_degree
+    if tp > 1:
+        if shape.num_key_value_heads % tp:
+            raise ValueError(
+                f"trainer.parallelism.tensor_parallel_degree: {tp} does not divide "
+                f"the model's {shape.num_key_value_heads} KV heads"
+            )
+        # torchtitan reads each module's TP layout from its config at build time.
+        # (Qwen3Model.Config.update_from_config does this too, but imports
+        # torchtitan's whole Trainer, HF datasets included.)
+        set_qwen3_sharding_config(
+            config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=False
+        )
     with torch.device("meta"):
         model = config.build()
     model.to_empty(device=device)
