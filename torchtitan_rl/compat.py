@@ -45,7 +45,11 @@ def build_llm_engine(
     """An in-process ``LLMEngine`` whose model object this process can touch."""
     # The engine core must run in this process for the sync to write its tensors.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if batch_invariant:
+    # vLLM's INFO lines (per-interval throughput, cache resets) drown the progress bar.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if batch_invariant and device != "cpu":
+        # vLLM's batch-invariant overrides are Triton kernels (GPU only); on CPU
+        # the model switches to models/batch_invariant.py instead.
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import EngineArgs, LLMEngine
 
@@ -53,7 +57,9 @@ def build_llm_engine(
 
     register()
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    kwargs = dict(engine_kwargs, skip_tokenizer_init=True, logprobs_mode="processed_logprobs")
+    kwargs = dict(
+        engine_kwargs, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", disable_log_stats=True
+    )
     if device == "cpu":
         # vLLM's CPU backend sizes its KV cache from an explicit byte budget.
         if "kv_cache_memory_bytes" in fields:
@@ -97,6 +103,12 @@ def _private_world():
         yield
     finally:
         dist.get_world_size, dist.new_group = real_world_size, real_new_group
+
+
+def vllm_on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def vllm_model(engine):

@@ -16,6 +16,7 @@ import torch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape
+from torchtitan_rl.models.vllm_qwen3 import BATCH_INVARIANT_KEY
 
 
 class WeightsNotSyncedError(RuntimeError):
@@ -60,7 +61,7 @@ class Generator:
         self.engine = compat.build_llm_engine(
             model=str(model_dir),
             load_format=config.load_format,
-            hf_overrides={"architectures": [TITAN_ARCH]},
+            hf_overrides={"architectures": [TITAN_ARCH], BATCH_INVARIANT_KEY: model_config.max_seq_len if batch_invariant else 0},
             dtype=model_config.dtype,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,

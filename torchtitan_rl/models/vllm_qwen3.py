@@ -16,11 +16,21 @@ from torchtitan_rl import compat
 from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape, titan_config
 from torchtitan_rl.weight_sync.plan import Destination
 
+BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
+"""hf_overrides key: > 0 switches the generator's model to batch-invariant CPU
+kernels whose attention pads every sequence to this length (model.max_seq_len,
+the same length the trainer pads to)."""
+
 
 class PagedAttention(nn.Module):
-    """Stands in for torchtitan's inner attention; vLLM's layer keeps the KV cache."""
+    """Stands in for torchtitan's inner attention; vLLM's layer keeps the KV cache.
 
-    def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str) -> None:
+    In batch-invariant mode on CPU (``bi_max_len`` set) it keeps its own copy
+    of each token's K/V by vLLM's slot mapping and attends with the same
+    fixed-length kernel the trainer uses (models/batch_invariant.py).
+    """
+
+    def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str, bi_max_len: int | None = None) -> None:
         super().__init__()
         self.attn = compat.vllm_attention_cls()(
             num_heads=shape.num_attention_heads,
@@ -30,15 +40,58 @@ class PagedAttention(nn.Module):
             cache_config=cache_config,
             prefix=prefix,
         )
+        self.layer_name = prefix
+        self.block_size = cache_config.block_size
+        self.bi_max_len = bi_max_len
+        self.scale = shape.head_dim**-0.5
+        self._kv_slots: torch.Tensor | None = None  # [slots, 2, n_kv, head_dim]
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, **_unused) -> torch.Tensor:
         B, L, N, H = q_BLNH.shape
+        if self.bi_max_len is not None:
+            return self._batch_invariant(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
         out_TD = self.attn(
             q_BLNH.reshape(B * L, N * H),
             k_BLNH.reshape(B * L, -1),
             v_BLNH.reshape(B * L, -1),
         )
         return out_TD[: B * L].view(B, L, N, H)
+
+    def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        from torchtitan_rl.models.batch_invariant import attend, expand_kv
+
+        out = torch.zeros_like(q_TNH)
+        md = get_forward_context().attn_metadata
+        md = md.get(self.layer_name) if isinstance(md, dict) else None
+        if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
+            return out
+        T = md.num_actual_tokens
+        slots = md.slot_mapping[:T].long()
+        needed = int(slots.max()) + 1
+        if self._kv_slots is None or self._kv_slots.shape[0] < needed:
+            grown = torch.zeros(max(needed, 2 * (0 if self._kv_slots is None else self._kv_slots.shape[0])),
+                                2, *k_TKH.shape[1:], dtype=k_TKH.dtype, device=k_TKH.device)
+            if self._kv_slots is not None:
+                grown[: self._kv_slots.shape[0]] = self._kv_slots
+            self._kv_slots = grown
+        self._kv_slots[slots, 0] = k_TKH[:T]
+        self._kv_slots[slots, 1] = v_TKH[:T]
+        starts = md.query_start_loc.tolist()
+        for i, seq_len in enumerate(md.seq_lens.tolist()[: len(starts) - 1]):
+            q0, q1 = starts[i], starts[i + 1]
+            if q1 == q0:
+                continue
+            pos = torch.arange(seq_len, device=q_TNH.device)
+            seq_slots = md.block_table[i, pos // self.block_size].long() * self.block_size + pos % self.block_size
+            kv = self._kv_slots[seq_slots]
+            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q_TNH.device)
+            out[q0:q1] = attend(
+                q_TNH[q0:q1], expand_kv(kv[:, 0], q_TNH.shape[1]), expand_kv(kv[:, 1], q_TNH.shape[1]),
+                positions, max_len=self.bi_max_len, scale=self.scale,
+            )
+        return out
 
 
 class TorchTitanQwen3ForCausalLM(nn.Module):
@@ -50,14 +103,24 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
-        self.shape = Qwen3Shape.from_hf_config(vllm_config.model_config.hf_config.to_dict())
+        hf_config = vllm_config.model_config.hf_config.to_dict()
+        self.shape = Qwen3Shape.from_hf_config(hf_config)
         self.model = titan_config(self.shape).build()
+        # CPU batch-invariant mode (flag carried in hf_overrides); on GPU vLLM's
+        # own batch-invariant kernels are switched on by VLLM_BATCH_INVARIANT.
+        bi_max_len = hf_config.get(BATCH_INVARIANT_KEY, 0) if compat.vllm_on_cpu() else 0
+        bi_max_len = bi_max_len or None
         for i, layer in enumerate(self.model.layers.values()):
             layer.attention.inner_attention = PagedAttention(
                 shape=self.shape,
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.attention.inner_attention",
+                bi_max_len=bi_max_len,
             )
+        if bi_max_len:
+            from torchtitan_rl.models.batch_invariant import make_batch_invariant
+
+            make_batch_invariant(self.model, max_len=bi_max_len, replace_attention=False)
         # vLLM never calls init_states; compute the RoPE cache as the trainer
         # does (fp32 whatever vLLM's default dtype) so auto-loaded weights work.
         for layer in self.model.layers.values():
