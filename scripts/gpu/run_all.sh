@@ -1,0 +1,40 @@
+#!/bin/bash
+# Run named GPU checks/benchmarks on the device machine; results land in $OUT.
+#
+#   source .gpu/b/install.sh && bash scripts/gpu/run_all.sh env correctness
+#
+# Names (run in the order given; a failing one does not stop the next):
+#   env          versions, every torchtitan_rl module imports, copy bandwidth
+#   correctness  generator vs GPU-trainer logprobs after in-place syncs (scripts/gpu/correctness.py)
+#   sync         scripts/bench_weight_sync.py --device cuda   (SYNC_FLAVORS, default "0.6B 1.7B 4B 8B")
+#   grpo         scripts/gpu/grpo_loop.py on run_configs/qwen3_0.6b.toml (GRPO_STEPS, default 20)
+#   generation   scripts/bench_generation.py                  (GEN_MODES, default "graphs eager")
+#   startup      scripts/bench_startup.py
+# Each writes $OUT/<name>.log (+ JSON); docs/benchmarks.md with the new GPU
+# sections is copied to $OUT/benchmarks.md at the end (merge it here with
+# scripts/gpu/merge_sections.py). At most 8 files come back per call.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+failed=()
+for name in "$@"; do
+  start=$(date +%s)
+  echo "=== $name ($(date -u +%H:%M:%S))"
+  case $name in
+    env)         python3 scripts/gpu/check_env.py ;;
+    correctness) python3 scripts/gpu/correctness.py --out "$OUT/correctness.json" ;;
+    sync)        python3 scripts/bench_weight_sync.py --device cuda --flavors ${SYNC_FLAVORS:-0.6B 1.7B 4B 8B} \
+                   --json "$OUT/sync.json" ;;
+    grpo)        python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT" ;;
+    generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
+    startup)     python3 scripts/bench_startup.py --json "$OUT/startup.json" ;;
+    *)           echo "unknown name: $name"; false ;;
+  esac 2>&1 | tee "$OUT/$name.log"
+  rc=$?
+  echo "=== $name: exit $rc after $(( $(date +%s) - start )) s"
+  [ $rc -eq 0 ] || failed+=("$name")
+  [ -f docs/benchmarks.md ] && cp docs/benchmarks.md "$OUT/benchmarks.md"
+done
+[ ${#failed[@]} -eq 0 ] || { echo "FAILED: ${failed[*]}"; exit 1; }
