@@ -6,6 +6,7 @@ than one); rank 0 also holds the vLLM generator. Heavy imports stay inside
 ``run`` so that --help and config errors are instant.
 """
 
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +15,17 @@ from torchtitan_rl.config import JobConfig, parse_args, write_toml
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
-    run(cfg)
+    if cfg.dry_run:
+        write_toml(cfg, Path(cfg.job.output_dir) / "config.toml")
+        print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / 'config.toml'}")
+        return
+    try:
+        run(cfg)
+    except ValueError as e:
+        # User errors found past parsing (a checkpoint, a task, mismatched
+        # weights) name the field or tensor; one line, no traceback.
+        print(f"torchtitan_rl: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run(cfg: JobConfig) -> list[dict]:
@@ -74,8 +85,10 @@ def run(cfg: JobConfig) -> list[dict]:
             start = trainer.step
 
     P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-    if (P * G) % world:
-        raise ValueError(f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {world} ranks")
+    if (P * G) % trainer.dp_size:
+        raise ValueError(
+            f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {trainer.dp_size} data-parallel ranks"
+        )
     temperature = cfg.generator.sampling.temperature
     logger = MetricsLogger(out, enabled=rank == 0)
     bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
@@ -113,7 +126,9 @@ def run(cfg: JobConfig) -> list[dict]:
         tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
             rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id
         )
-        rows = slice(rank * (P * G // world), (rank + 1) * (P * G // world))
+        # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
+        per_rank = P * G // trainer.dp_size
+        rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
         trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature).cpu()
         mismatch = _reduce_mismatch(
             logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device

@@ -126,6 +126,15 @@ def test_bad_cli_value_names_the_field(args, expected):
             ["--batch-invariant-mode", "--trainer.parallelism.tensor_parallel_degree", "2"], 2,
             "generator.parallelism.tensor_parallel_degree",
         ),
+        (
+            ["--batch-invariant-mode", "--generator.sampling.top_p", "0.9"], 1,
+            "batch_invariant_mode: needs generator.sampling.top_p 1",
+        ),
+        (
+            ["--batch-invariant-mode", "--job.device", "cpu", "--trainer.parallelism.tensor_parallel_degree",
+             "2", "--generator.parallelism.tensor_parallel_degree", "2"], 2,
+            "batch_invariant_mode: on CPU needs trainer.parallelism.tensor_parallel_degree 1",
+        ),
         (["--trainer.steps", "0"], 1, "trainer.steps: must be >= 1"),
         (["--grpo.group_size", "1"], 1, "grpo.group_size: must be >= 2"),
         (["--grpo.prompts_per_step", "0"], 1, "grpo.prompts_per_step: must be >= 1"),
@@ -151,7 +160,7 @@ def test_parallel_degrees_that_fit_the_world_size_are_accepted(tmp_path):
         "--trainer.parallelism.data_parallel_shard_degree", "2",
         "--trainer.parallelism.tensor_parallel_degree", "2",
         "--generator.parallelism.tensor_parallel_degree", "2",
-        "--batch-invariant-mode", "--job.output_dir", str(tmp_path), world_size=4,
+        "--batch-invariant-mode", "--job.output_dir", str(tmp_path), "--dry-run", world_size=4,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
 
@@ -162,10 +171,10 @@ def test_parallel_degrees_that_fit_the_world_size_are_accepted(tmp_path):
 def test_run_writes_resolved_config_that_loads_back_equal(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     args = ["--config", "run_configs/cpu_tiny.toml", "--job.output-dir", str(tmp_path / "run")]
-    args += ["--trainer.optimizer.betas", "0.8", "0.9", "--model.hf_checkpoint", "/w"]
+    args += ["--trainer.optimizer.betas", "0.8", "0.9", "--model.hf_checkpoint", "/w", "--dry-run"]
     proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr
-    assert "torchtitan_rl: training loop not yet implemented" in proc.stdout
+    assert "torchtitan_rl: config valid" in proc.stdout
     monkeypatch.chdir(REPO)
     assert load_toml(tmp_path / "run" / "config.toml") == parse_args(args)
 

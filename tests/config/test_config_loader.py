@@ -59,7 +59,7 @@ def test_cli_beats_file_beats_default(tmp_path):
         "batch_invariant_mode = false\n"
         "[trainer.optimizer]\nlr = 1e-3\nbetas = [0.8, 0.9]\nweight_decay = 0.1\n"
         "[trainer.lr_scheduler]\ndecay = 'linear'\n"
-        "[generator.sampling]\ntemperature = 0.5\ntop_p = 0.9\n"
+        "[generator.sampling]\ntemperature = 0.5\nmax_tokens = 6\n"
         "[weight_sync]\nenable = true\n"
     )
     cfg = parse_args(
@@ -80,7 +80,7 @@ def test_cli_beats_file_beats_default(tmp_path):
     assert cfg.batch_invariant_mode is True  # bool flag
     assert cfg.weight_sync.enable is False  # bool with a value
     assert cfg.trainer.optimizer.weight_decay == 0.1  # file only
-    assert cfg.generator.sampling.top_p == 0.9  # file only
+    assert cfg.generator.sampling.max_tokens == 6  # file only
     assert cfg.trainer.optimizer.eps == 1e-8  # default
     assert cfg.trainer.steps == 40  # default
 

@@ -187,3 +187,5 @@ class JobConfig:
     """Bitwise-identical trainer and generator logprobs (both sides switch kernels)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in the output folder."""
+    dry_run: bool = False
+    """Validate the config, write it to the output folder and exit without training."""

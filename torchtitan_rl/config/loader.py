@@ -228,6 +228,19 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
                 f"batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree ({tp_t}) "
                 f"== generator.parallelism.tensor_parallel_degree ({tp_g})"
             )
+        s = cfg.generator.sampling
+        if s.top_p != 1.0 or s.top_k != -1:
+            # vLLM reports logprobs of the top-p/top-k renormalised distribution,
+            # which the trainer's recompute over the full vocabulary cannot equal.
+            raise ValueError(
+                f"batch_invariant_mode: needs generator.sampling.top_p 1 and top_k -1, "
+                f"got {s.top_p} and {s.top_k}"
+            )
+        if cfg.job.device == "cpu" and tp_t > 1:
+            raise ValueError(
+                "batch_invariant_mode: on CPU needs trainer.parallelism.tensor_parallel_degree 1, "
+                f"got {tp_t} (a sharded matmul reduces in a different order)"
+            )
 
 
 def _get(cfg: JobConfig, path: str) -> Any:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.loss import grpo_loss
+from torchtitan_rl.models.batch_invariant import make_batch_invariant
 from torchtitan_rl.models.qwen3 import Qwen3Shape, titan_config
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.trainer.distributed import (
@@ -78,7 +79,6 @@ class Trainer:
         self.output_dir = Path(output_dir)
         set_determinism(self.device)
         if batch_invariant and self.device.type == "cuda":
-            # vLLM's CPU backend has no batch-invariant kernels, so nothing to match on CPU.
             compat.enable_batch_invariant_kernels()
         init_process_group(self.device)
         self.parallel_dims = build_parallel_dims(
@@ -103,6 +103,10 @@ class Trainer:
         model = _build_model(shape, seed=seed, device=self.device, parallelism=titan_parallelism)
         if model_config.hf_checkpoint is not None:
             load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
+        if batch_invariant and self.device.type == "cpu":
+            # The generator runs the same kernels (models/vllm_qwen3.py), padding
+            # attention to the same length, so logprobs match bit for bit.
+            make_batch_invariant(model, max_len=model_config.max_seq_len, replace_attention=True)
         self.model = parallelize_qwen3(
             model,
             parallel_dims=self.parallel_dims,
