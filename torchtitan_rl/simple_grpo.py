@@ -74,7 +74,7 @@ def run(cfg: JobConfig) -> list[dict]:
             cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
             device=device.type, workdir=out, batch_invariant=cfg.batch_invariant_mode,
         )
-    sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator)
+    sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator, lora=cfg.model.lora)
 
     prompt_rng = random.Random(cfg.job.seed)
     start = 0

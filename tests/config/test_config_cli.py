@@ -135,6 +135,11 @@ def test_bad_cli_value_names_the_field(args, expected):
              "2", "--generator.parallelism.tensor_parallel_degree", "2"], 2,
             "batch_invariant_mode: on CPU needs trainer.parallelism.tensor_parallel_degree 1",
         ),
+        (
+            ["--batch-invariant-mode", "--model.lora.rank", "4", "--model.lora.sync", "merged"], 1,
+            "batch_invariant_mode: needs model.lora.sync 'adapter'",
+        ),
+        (["--model.lora.rank", "4", "--model.lora.target-modules", "wq"], 1, "model.lora.target_modules"),
         (["--trainer.steps", "0"], 1, "trainer.steps: must be >= 1"),
         (["--grpo.group_size", "1"], 1, "grpo.group_size: must be >= 2"),
         (["--grpo.prompts_per_step", "0"], 1, "grpo.prompts_per_step: must be >= 1"),

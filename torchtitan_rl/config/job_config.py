@@ -22,6 +22,20 @@ class JobSection:
 
 
 @dataclass(kw_only=True)
+class LoRAConfig:
+    rank: int = 0
+    """Adapter rank; 0 disables LoRA (full fine-tuning)."""
+    alpha: float = 16.0
+    """Adapter scale numerator: the adapter's output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: tuple[str, ...] = ("wqkv", "wo", "w1", "w2", "w3")
+    """Linear layers (module names in torchtitan's Qwen3) that get an adapter."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """adapter: base once, then only the adapter (unmerged in the generator); merged: W + BA in full."""
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     flavor: str = "tiny"
     """Qwen3 shape: tiny (CPU tests), debugmodel, 0.6B, 1.7B, 4B, 8B."""
@@ -33,6 +47,8 @@ class ModelConfig:
     """Vocabulary size; 0 takes the flavor's (tiny: the task tokenizer's)."""
     max_seq_len: int = 512
     """Longest prompt + completion in tokens; sizes the RoPE cache of small flavors."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters: train only these, the base stays frozen."""
 
 
 @dataclass(kw_only=True)

@@ -183,6 +183,16 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _at_least(cfg, 0, "trainer.optimizer.weight_decay", "grpo.kl_coef")
     _at_least(cfg, 0, "generator.sampling.temperature", "generator.wait_for_weights_s")
     _at_least(cfg, 2, "grpo.group_size")
+    _at_least(cfg, 0, "model.lora.rank")
+    _in_range(cfg, "model.lora.dropout", 0, 1, "[0, 1)")
+    if cfg.model.lora.rank and cfg.model.lora.alpha <= 0:
+        raise ValueError(f"model.lora.alpha: must be > 0, got {cfg.model.lora.alpha}")
+    known = {"wqkv", "wo", "w1", "w2", "w3"}
+    unknown = [m for m in cfg.model.lora.target_modules if m not in known]
+    if unknown or (cfg.model.lora.rank and not cfg.model.lora.target_modules):
+        raise ValueError(
+            f"model.lora.target_modules: unknown {unknown or 'empty'}; choose from {sorted(known)}"
+        )
 
     _in_range(cfg, "grpo.clip_eps_low", 0, 1, "[0, 1)")
     _in_range(cfg, "grpo.clip_eps_high", 0, 1, "[0, 1)")
@@ -235,6 +245,11 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
             raise ValueError(
                 f"batch_invariant_mode: needs generator.sampling.top_p 1 and top_k -1, "
                 f"got {s.top_p} and {s.top_k}"
+            )
+        if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+            raise ValueError(
+                "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
+                "bitwise equal to the trainer's unmerged forward)"
             )
         if cfg.job.device == "cpu" and tp_t > 1:
             raise ValueError(

@@ -14,13 +14,20 @@ from pathlib import Path
 import torch
 
 from torchtitan_rl import compat
-from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig
+from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape
-from torchtitan_rl.models.vllm_qwen3 import BATCH_INVARIANT_KEY
+from torchtitan_rl.models.vllm_qwen3 import BATCH_INVARIANT_KEY, LORA_KEY
 
 
 class WeightsNotSyncedError(RuntimeError):
     pass
+
+
+def _unmerged_lora(lora: LoRAConfig) -> dict | None:
+    """LoRA fields the generator's model needs when it applies the adapter itself."""
+    if not lora.rank or lora.sync != "adapter":
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
 @dataclass
@@ -61,7 +68,11 @@ class Generator:
         self.engine = compat.build_llm_engine(
             model=str(model_dir),
             load_format=config.load_format,
-            hf_overrides={"architectures": [TITAN_ARCH], BATCH_INVARIANT_KEY: model_config.max_seq_len if batch_invariant else 0},
+            hf_overrides={
+                "architectures": [TITAN_ARCH],
+                BATCH_INVARIANT_KEY: model_config.max_seq_len if batch_invariant else 0,
+                LORA_KEY: _unmerged_lora(model_config.lora),
+            },
             dtype=model_config.dtype,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,

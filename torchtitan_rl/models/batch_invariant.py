@@ -49,6 +49,10 @@ class _BILinear(torch.autograd.Function):
         return grad_x, grad_w.to(weight.dtype)
 
 
+def bi_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _BILinear.apply(x, weight)
+
+
 def bi_linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     assert module.bias is None, "Qwen3 linears have no bias"
     return _BILinear.apply(x, module.weight)
@@ -106,6 +110,7 @@ def make_batch_invariant(model: nn.Module, *, max_len: int, replace_attention: b
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = bi_linear_forward.__get__(module)
+            module.batch_invariant = True  # LoRA adapters added later use these kernels too
     if replace_attention:
         for layer in model.layers.values():
             layer.attention.inner_attention = BatchInvariantAttention(max_len=max_len)

@@ -13,8 +13,13 @@ import torch
 import torch.nn as nn
 
 from torchtitan_rl import compat
+from torchtitan_rl.config import LoRAConfig
+from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape, titan_config
 from torchtitan_rl.weight_sync.plan import Destination
+
+LORA_KEY = "torchtitan_rl_lora"
+"""hf_overrides key: LoRAConfig fields when the generator applies adapters unmerged."""
 
 BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
 """hf_overrides key: > 0 switches the generator's model to batch-invariant CPU
@@ -121,6 +126,10 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
             from torchtitan_rl.models.batch_invariant import make_batch_invariant
 
             make_batch_invariant(self.model, max_len=bi_max_len, replace_attention=False)
+        lora = hf_config.get(LORA_KEY)
+        if lora:
+            # Adapter applied unmerged at generation time, its tensors one flat buffer.
+            apply_lora(self.model, LoRAConfig(**lora), flat=True, train=False)
         # vLLM never calls init_states; compute the RoPE cache as the trainer
         # does (fp32 whatever vLLM's default dtype) so auto-loaded weights work.
         for layer in self.model.layers.values():

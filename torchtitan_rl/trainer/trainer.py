@@ -23,6 +23,7 @@ from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.loss import grpo_loss
 from torchtitan_rl.models.batch_invariant import make_batch_invariant
+from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.qwen3 import Qwen3Shape, titan_config
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.trainer.distributed import (
@@ -107,6 +108,9 @@ class Trainer:
             # The generator runs the same kernels (models/vllm_qwen3.py), padding
             # attention to the same length, so logprobs match bit for bit.
             make_batch_invariant(model, max_len=model_config.max_seq_len, replace_attention=True)
+        if model_config.lora.rank:
+            torch.manual_seed(seed)  # adapter init, the same on every rank
+            apply_lora(model, model_config.lora)
         self.model = parallelize_qwen3(
             model,
             parallel_dims=self.parallel_dims,
@@ -128,7 +132,7 @@ class Trainer:
 
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # LoRA: adapters only
             lr=opt.lr,
             betas=tuple(opt.betas),
             eps=opt.eps,

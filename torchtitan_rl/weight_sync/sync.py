@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.config import WeightSyncConfig
+from torchtitan_rl.config import LoRAConfig, WeightSyncConfig
+from torchtitan_rl.models.lora import is_lora_key, merged_state
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
 from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
 
@@ -46,16 +47,33 @@ class WeightSync:
     """Moves trainer state dicts into a colocated generator.
 
     ``reference`` is the trainer's state dict at startup: it fixes the key
-    order, shapes and tied keys that every later ``sync`` must match.
+    order, shapes and tied keys that every later ``sync`` must match. With
+    LoRA in adapter mode the first sync moves everything and later ones only
+    the adapter tensors, as one flat buffer; in merged mode every sync moves
+    ``W + scale * B @ A`` computed from the trainer's untouched base.
     """
 
-    def __init__(self, config: WeightSyncConfig, *, reference: dict[str, torch.Tensor], generator=None):
+    def __init__(
+        self,
+        config: WeightSyncConfig,
+        *,
+        reference: dict[str, torch.Tensor],
+        generator=None,
+        lora: LoRAConfig | None = None,
+    ):
         self.config = config
         self.generator = generator
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        reference = self._source(reference)
         self.aliases = source_aliases(reference)
         self.keys = [k for k in reference if k not in self.aliases]
         self.shapes = {k: t.shape for k, t in reference.items()}
+        adapter_mode = self.lora is not None and self.lora.sync == "adapter"
+        self.adapter_keys = [k for k in self.keys if is_lora_key(k)] if adapter_mode else []
+        self.base_synced = False
+        """Adapter mode: the base went over once in this process; later syncs move adapters only."""
         self.plan: SyncPlan | None = None
+        self.flat_adapter: torch.Tensor | None = None
         if generator is not None:
             model = generator.model
             self.plan = build_plan(
@@ -66,15 +84,33 @@ class WeightSync:
             )
             for tensor, value in self.plan.constants.values():
                 tensor.fill_(value)
-        self.buckets = self._buckets(reference)
+            self.flat_adapter = self._flat_view(self.adapter_keys)
+        self.sizes = {k: reference[k].numel() * reference[k].element_size() for k in self.keys}
 
-    def _buckets(self, reference: dict[str, torch.Tensor]) -> list[list[str]]:
+    def _source(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return merged_state(state, self.lora) if self.lora is not None and self.lora.sync == "merged" else state
+
+    def _flat_view(self, keys: list[str]) -> torch.Tensor | None:
+        """One view over the destinations of ``keys`` if they tile one buffer in order."""
+        if not keys:
+            return None
+        dests = {e.source: e.dest for e in self.plan.entries}
+        first = dests[keys[0]]
+        offset = first.storage_offset()
+        for k in keys:
+            d = dests[k]
+            if not d.is_contiguous() or d.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                    or d.storage_offset() != offset:
+                return None
+            offset += d.numel()
+        return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
+
+    def _buckets(self, keys: list[str]) -> list[list[str]]:
         """Key groups of at most bucket_mb (trainer-side bytes); same on every rank."""
         limit = self.config.bucket_mb << 20
         buckets, current, size = [], [], 0
-        for key in self.keys:
-            t = reference[key]
-            nbytes = t.numel() * t.element_size()
+        for key in keys:
+            nbytes = self.sizes[key]
             if current and size + nbytes > limit:
                 buckets.append(current)
                 current, size = [], 0
@@ -84,8 +120,9 @@ class WeightSync:
             buckets.append(current)
         return buckets
 
-    def validate(self, state: dict[str, torch.Tensor]) -> None:
+    def validate(self, state: dict[str, torch.Tensor], keys: list[str] | None = None) -> None:
         """Reject a state dict before anything is written; the error names the tensor."""
+        keys = self.keys if keys is None else keys
         missing = [k for k in self.shapes if k not in state]
         extra = [k for k in state if k not in self.shapes]
         if missing or extra:
@@ -99,24 +136,29 @@ class WeightSync:
             ):
                 raise ValueError(f"weight_sync: {key} must equal its tied tensor {primary}")
         # One fused max-abs pass over the local shards; NaN and inf both show.
-        local = [_local(state[k]) for k in self.keys]
+        local = [_local(state[k]) for k in keys]
         amax = torch.stack([n.float() for n in torch._foreach_norm(local, ord=float("inf"))])
         bad_mask = ~torch.isfinite(amax)
-        if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in self.keys):
+        if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in keys):
             dist.all_reduce(bad_mask.to(torch.uint8).view(-1), op=dist.ReduceOp.MAX)
         if bool(bad_mask.any()):
-            names = [k for k, b in zip(self.keys, bad_mask.tolist()) if b]
+            names = [k for k, b in zip(keys, bad_mask.tolist()) if b]
             raise ValueError(f"weight_sync: non-finite values (NaN/inf) in {names}")
 
     @torch.no_grad()
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         start = time.perf_counter()
-        self.validate(state)
+        state = self._source(state)
+        keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
+        self.validate(state, keys)
         gen = self.generator
         if gen is not None:
             gen.begin_sync()
         try:
-            verified = self._move(state, version)
+            if keys is self.adapter_keys and self.flat_adapter is not None:
+                verified = self._move_flat(state, keys, version)
+            else:
+                verified = self._move(state, keys, version)
             if gen is not None:
                 verified += verify_constants(self.plan.constants)
         except BaseException:
@@ -125,23 +167,39 @@ class WeightSync:
             raise
         if gen is not None:
             gen.finish_sync(version)
-        nbytes = self.plan.nbytes if self.plan is not None else 0
-        return SyncStats(version, time.perf_counter() - start, nbytes, verified)
+        self.base_synced = True
+        return SyncStats(version, time.perf_counter() - start, sum(self.sizes[k] for k in keys), verified)
 
-    def _move(self, state: dict[str, torch.Tensor], version: int) -> int:
+    def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
-        check = pick_entries(self.keys, self.config.verify, self.config.verify_samples, version)
+        check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
         verified = 0
-        for bucket in self.buckets:
-            # full_tensor() is the collective gather of a sharded DTensor.
+        for bucket in self._buckets(keys):
             sources = [_full(state[k]) for k in bucket]
             if self.plan is None:
                 continue
             dests = [entries[k].dest for k in bucket]
             torch._foreach_copy_(dests, [s.view(d.shape) for s, d in zip(sources, dests)])
-            for key, src, dst in zip(bucket, sources, dests):
-                if key in check:
-                    if not torch.equal(dst, src.view(dst.shape).to(dst.dtype)):
-                        raise RuntimeError(f"weight_sync: {key} did not arrive in the generator")
-                    verified += 1
+            verified += _verify(bucket, sources, dests, check)
         return verified
+
+    def _move_flat(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
+        """The adapter as one flat buffer: one cast-and-copy (what a wire transport would send)."""
+        sources = [_full(state[k]) for k in keys]
+        if self.plan is None:
+            return 0
+        flat = torch.cat([s.reshape(-1).to(self.flat_adapter.dtype) for s in sources])
+        self.flat_adapter.copy_(flat)
+        entries = {e.source: e for e in self.plan.entries}
+        check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
+        return _verify(keys, sources, [entries[k].dest for k in keys], check)
+
+
+def _verify(keys, sources, dests, check: set[str]) -> int:
+    verified = 0
+    for key, src, dst in zip(keys, sources, dests):
+        if key in check:
+            if not torch.equal(dst, src.view(dst.shape).to(dst.dtype)):
+                raise RuntimeError(f"weight_sync: {key} did not arrive in the generator")
+            verified += 1
+    return verified
