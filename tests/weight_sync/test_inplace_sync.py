@@ -135,3 +135,11 @@ def test_sampled_verification_covers_every_tensor_over_successive_syncs(generato
         seen |= pick_entries(ws.keys, "sampled", 3, version)
     assert seen == set(ws.keys)
     assert ws.sync(state, version=11).tensors_verified == 3 + len(ws.plan.constants)
+
+
+def test_huge_but_finite_values_are_not_mistaken_for_nan(generator):
+    """The fast NaN scan is an L2 norm, which overflows at ~1e19: a second look decides."""
+    state = {k: v.detach().clone() for k, v in native_state(trainer_model(seed=12)).items()}
+    state["norm.weight"].fill_(1e30)
+    ws = WeightSync(WeightSyncConfig(), reference=state, generator=generator)
+    assert ws.sync(state, version=12).version == 12
