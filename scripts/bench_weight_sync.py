@@ -45,6 +45,7 @@ RAY_STUB = Path(__file__).resolve().parent / "gpu" / "stubs"
 """vLLM 0.26's IPC engine imports ray at module level; the GPU image has none."""
 FLOOR = "floor: fp32->bf16 cast copy"
 SAME_BYTES = "floor: same bytes as ours (params cast + fp32 buffers copied)"
+PROTOTYPE = "ours (sampled), prototype: unchanged RoPE buffers skipped after the first sync"
 GiB = 1 << 30
 
 
@@ -217,6 +218,41 @@ def bench_ipc(hf_state: dict, shape, workdir: Path, repeats: int) -> dict:
     return out
 
 
+def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: int) -> None:
+    """Our sync into the generator in this process: three verification levels, peaks, validation alone."""
+    times, n_params, n_buffers, flavor = res["times"], res["n_params"], res["n_buffers"], res["flavor"]
+    t = time.perf_counter()
+    gen = Generator(
+        GeneratorConfig(
+            max_model_len=128, max_num_seqs=8, enforce_eager=True,
+            gpu_memory_utilization=_util(2 * n_params + 4 * n_buffers, 3.0),
+        ),
+        model_config=ModelConfig(flavor=flavor), shape=shape, seed=0, device="cuda", workdir=workdir,
+    )
+    res["ours_generator_build_s"] = time.perf_counter() - t
+    version = iter(range(1, 100_000))
+    peaks = {}
+    for verify in ("off", "sampled", "full"):
+        ws = WeightSync(WeightSyncConfig(verify=verify), reference=state, generator=gen)
+        name = f"ours (verify={verify})"
+        times[name] = median_seconds(lambda: ws.sync(state, version=next(version)), device="cuda", repeats=repeats)
+        peaks[name] = _peak_extra(lambda: ws.sync(state, version=next(version)))
+    times["ours: validation alone (names, shapes, NaN/inf scan)"] = median_seconds(
+        lambda: ws.validate(state), device="cuda", repeats=repeats
+    )
+    res["peak_extra_bytes"] = peaks
+    res["bytes_written"] = ws.plan.nbytes
+
+    # Prototype of a proposed change (monkeypatched here, not in weight_sync/): the RoPE buffers
+    # never change, so after the first sync copy and scan only the parameters.
+    buffer_keys = {k for k, _ in trainer.named_buffers()}
+    ws = WeightSync(WeightSyncConfig(verify="sampled"), reference=state, generator=gen)
+    ws.sync(state, version=next(version))
+    ws.keys = [k for k in ws.keys if k not in buffer_keys]  # buckets are cut from keys per sync
+    times[PROTOTYPE] = median_seconds(lambda: ws.sync(state, version=next(version)), device="cuda", repeats=repeats)
+    res["peak_extra_bytes"][PROTOTYPE] = _peak_extra(lambda: ws.sync(state, version=next(version)))
+
+
 def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list[str]) -> dict:
     """One shape, every method; run in a fresh process (see the module docstring)."""
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=128)
@@ -226,7 +262,7 @@ def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list
     n_buffers = sum(b.numel() for b in meta.buffers())  # fp32 RoPE caches, synced too
     if n_params > 3e9:
         repeats = min(repeats, 5)
-    res: dict = {"flavor": flavor, "n_params": n_params, "n_buffers": n_buffers, "times": {}}
+    res: dict = {"flavor": flavor, "n_params": n_params, "n_buffers": n_buffers, "times": {}, "methods": methods}
     times = res["times"]
 
     # 1. Floors first, on flat buffers of the same element count, freed before anything else.
@@ -267,27 +303,8 @@ def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list
         torch.cuda.empty_cache()
 
     # 4. Ours: the generator in this process, all three verification levels.
-    t = time.perf_counter()
-    gen = Generator(
-        GeneratorConfig(
-            max_model_len=128, max_num_seqs=8, enforce_eager=True,
-            gpu_memory_utilization=_util(2 * n_params + 4 * n_buffers, 3.0),
-        ),
-        model_config=ModelConfig(flavor=flavor), shape=shape, seed=0, device="cuda", workdir=workdir,
-    )
-    res["ours_generator_build_s"] = time.perf_counter() - t
-    version = iter(range(1, 100_000))
-    peaks = {}
-    for verify in ("off", "sampled", "full"):
-        ws = WeightSync(WeightSyncConfig(verify=verify), reference=state, generator=gen)
-        name = f"ours (verify={verify})"
-        times[name] = median_seconds(lambda: ws.sync(state, version=next(version)), device="cuda", repeats=repeats)
-        peaks[name] = _peak_extra(lambda: ws.sync(state, version=next(version)))
-    times["ours: validation alone (names, shapes, NaN/inf scan)"] = median_seconds(
-        lambda: ws.validate(state), device="cuda", repeats=repeats
-    )
-    res["peak_extra_bytes"] = peaks
-    res["bytes_written"] = ws.plan.nbytes
+    if "ours" in methods:
+        bench_ours(res, trainer, state, shape, workdir, repeats)
 
     # 5. vLLM's reload_weights on its native Qwen3, in process, fed the same weights in HF names.
     if "reload" in methods:
@@ -311,35 +328,62 @@ def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list
     return res
 
 
+def _worker(flavor: str, methods: list[str], args, tmp: Path) -> dict | None:
+    out = tmp / f"{flavor}_{'_'.join(methods)}.json"
+    cmd = [sys.executable, __file__, "--device", "cuda", "--worker", flavor, "--json", str(out),
+           "--repeats", str(args.repeats), "--methods", *methods]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd)
+    print(f"[bench_weight_sync] {flavor} {methods}: exit {proc.returncode} in {time.perf_counter() - t:.0f} s",
+          flush=True)
+    return json.loads(out.read_text()) if proc.returncode == 0 else None
+
+
+def _merge(old: dict, new: dict) -> dict:
+    """New times and peaks win; errors of methods that now ran are dropped."""
+    merged = {**old, **{k: v for k, v in new.items() if k not in ("times", "errors", "peak_extra_bytes")}}
+    merged["times"] = {**old.get("times", {}), **new.get("times", {})}
+    merged["peak_extra_bytes"] = {**old.get("peak_extra_bytes", {}), **new.get("peak_extra_bytes", {})}
+    ran = set(new.get("methods", []))
+    merged["errors"] = {**{k: v for k, v in old.get("errors", {}).items() if k not in ran}, **new.get("errors", {})}
+    merged["methods"] = sorted(set(old.get("methods", [])) | ran)
+    return merged
+
+
 def run_cuda(args) -> None:
-    results = []
+    previous = {r["flavor"]: r for r in json.loads(Path(args.merge_json).read_text())} if args.merge_json else {}
+    results = dict(previous)
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in args.flavors:
-            out = Path(tmp) / f"{flavor}.json"
-            cmd = [sys.executable, __file__, "--device", "cuda", "--worker", flavor, "--json", str(out),
-                   "--repeats", str(args.repeats), "--methods", *args.methods]
-            t = time.perf_counter()
-            proc = subprocess.run(cmd)
-            print(f"[bench_weight_sync] {flavor}: exit {proc.returncode} in {time.perf_counter() - t:.0f} s", flush=True)
-            if proc.returncode == 0:
-                results.append(json.loads(out.read_text()))
+            # reload_weights gets its own process: with ours' generator still resident an 8B
+            # shape does not fit next to it on an 80 GB GPU (in-process engines keep their memory).
+            groups = [[m for m in args.methods if m != "reload"], ["reload"] if "reload" in args.methods else []]
+            for methods in filter(None, groups):
+                res = _worker(flavor, methods, args, Path(tmp))
+                if res is not None:
+                    results[flavor] = _merge(results.get(flavor, {}), res)
+    results = [results[f] for f in sorted(results, key=lambda f: results[f]["n_params"])]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     rows = []
     for res in results:
         times, floor = res["times"], res["times"][FLOOR]
-        ours = times["ours (verify=sampled)"]
+        ours = times.get("ours (verify=sampled)")
         for name, t in times.items():
-            peak = res["peak_extra_bytes"].get(name)
+            peak = res.get("peak_extra_bytes", {}).get(name)
             rows.append([
-                res["flavor"], f"{res['n_params'] / 1e6:.0f} M + {res['n_buffers'] / 1e6:.0f} M buf", name, f"{t * 1e3:.2f}", f"{t / floor:.2f}x",
-                f"{t / ours:.2f}x", "" if peak is None else f"{peak / 2**20:.1f}",
+                res["flavor"], f"{res['n_params'] / 1e6:.0f} M + {res['n_buffers'] / 1e6:.0f} M buf", name,
+                f"{t * 1e3:.2f}", f"{t / floor:.2f}x", f"{t / ours:.2f}x" if ours else "",
+                "" if peak is None else f"{peak / 2**20:.1f}",
             ])
     body = table(
         ["model", "params", "method", "median ms", "vs cast floor", "vs ours (sampled)", "peak extra MiB"], rows
     )
     errors = [f"- {r['flavor']} {k}: `{v}`" for r in results for k, v in r.get("errors", {}).items()]
     missing = [f for f in args.flavors if f not in {r["flavor"] for r in results}]
+    if previous:
+        body += (f"\nMerged: this run ({' '.join(args.flavors)}: {' '.join(args.methods)}) over the "
+                 f"earlier results in `{args.merge_json}`.\n")
     if errors or missing:
         body += "\nFailed: " + ", ".join(f"{f} (whole process)" for f in missing) + "\n" + "\n".join(errors) + "\n"
     body += (
@@ -366,8 +410,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--section", default=None, help="section name in docs/benchmarks.md")
-    parser.add_argument("--methods", nargs="+", default=["ipc", "reload"], choices=["ipc", "reload"],
-                        help="CUDA: vLLM baselines to run besides ours and the floors")
+    parser.add_argument("--methods", nargs="+", default=["ipc", "ours", "reload"], choices=["ipc", "ours", "reload"],
+                        help="CUDA: what to run besides the floors")
+    parser.add_argument("--merge-json", default=None,
+                        help="CUDA: an earlier --json; this run's numbers replace or add to it")
     parser.add_argument("--json", default=None, help="CUDA: also write the raw results here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

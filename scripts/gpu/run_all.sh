@@ -6,7 +6,8 @@
 # Names (run in the order given; a failing one does not stop the next):
 #   env          versions, every torchtitan_rl module imports, copy bandwidth
 #   correctness  generator vs GPU-trainer logprobs after in-place syncs (scripts/gpu/correctness.py)
-#   sync         scripts/bench_weight_sync.py --device cuda   (SYNC_FLAVORS, default "0.6B 1.7B 4B 8B")
+#   sync         scripts/bench_weight_sync.py --device cuda   (SYNC_FLAVORS, default "0.6B 1.7B 4B 8B";
+#                SYNC_METHODS, default "ipc ours reload"; SYNC_MERGE=earlier sync.json to update)
 #   grpo         scripts/gpu/grpo_loop.py on run_configs/qwen3_0.6b.toml (GRPO_STEPS, default 20)
 #   generation   scripts/bench_generation.py                  (GEN_MODES, default "graphs eager")
 #   startup      scripts/bench_startup.py
@@ -26,6 +27,7 @@ for name in "$@"; do
     env)         python3 scripts/gpu/check_env.py ;;
     correctness) python3 scripts/gpu/correctness.py --out "$OUT/correctness.json" ;;
     sync)        python3 scripts/bench_weight_sync.py --device cuda --flavors ${SYNC_FLAVORS:-0.6B 1.7B 4B 8B} \
+                   --methods ${SYNC_METHODS:-ipc ours reload} ${SYNC_MERGE:+--merge-json "$SYNC_MERGE"} \
                    --json "$OUT/sync.json" ;;
     grpo)        python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT" ;;
     generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
