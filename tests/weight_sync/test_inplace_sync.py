@@ -143,3 +143,20 @@ def test_huge_but_finite_values_are_not_mistaken_for_nan(generator):
     state["norm.weight"].fill_(1e30)
     ws = WeightSync(WeightSyncConfig(), reference=state, generator=generator)
     assert ws.sync(state, version=12).version == 12
+
+
+def test_unchanged_buffers_move_once_and_changed_ones_again(generator):
+    model = trainer_model(seed=13)
+    state = native_state(model)
+    ws = WeightSync(WeightSyncConfig(), reference=state, generator=generator)
+    rope = [k for k in state if k.endswith("rope.cache")]
+    first = ws.sync(state, version=13)
+    second = ws.sync(native_state(model), version=14)  # the same live tensors, untouched
+    rope_bytes = sum(state[k].numel() * state[k].element_size() for k in rope)
+    assert first.bytes_written - second.bytes_written == rope_bytes
+    with torch.no_grad():
+        state[rope[0]].mul_(0.5)  # an in-place write bumps the version counter
+    third = ws.sync(state, version=15)
+    assert third.bytes_written == second.bytes_written + rope_bytes // len(rope)
+    assert torch.equal(generator.model.all_tensors()[rope[0]], state[rope[0]])
+    assert max_logprob_error(generator.generate(PROMPTS, n=1, seed=6), model) < LOGPROB_ATOL

@@ -117,9 +117,9 @@ def resolve_shape(
         shape = dataclasses.replace(shape, vocab_size=vocab_size)
     if shape.vocab_size <= 0:
         raise ValueError(f"model.vocab_size: flavor {flavor!r} needs a vocab size")
-    if flavor == "tiny":
-        shape = dataclasses.replace(shape, max_position_embeddings=max_seq_len)
-    return shape
+    # The RoPE cache (fp32, one per layer, in trainer and generator alike) only
+    # needs the run's longest sequence: 40960 positions would be 1.2 GB at 0.6B.
+    return dataclasses.replace(shape, max_position_embeddings=max_seq_len)
 
 
 def titan_config(

@@ -8,6 +8,7 @@ gathers are collective); only the rank that holds the generator writes.
 """
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,8 @@ class WeightSync:
                 tensor.fill_(value)
             self.flat_adapter = self._flat_view(self.adapter_keys)
         self.sizes = {k: reference[k].numel() * reference[k].element_size() for k in self.keys}
+        self._moved: dict[str, tuple[weakref.ref, int]] = {}
+        """Frozen tensors as they were when last moved: (the tensor, its version counter)."""
 
     def _source(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return merged_state(state, self.lora) if self.lora is not None and self.lora.sync == "merged" else state
@@ -135,19 +138,24 @@ class WeightSync:
                 _local(state[key]), _local(state[primary])
             ):
                 raise ValueError(f"weight_sync: {key} must equal its tied tensor {primary}")
+        if not keys:
+            return
         # One fused L2-norm pass over the local shards (the fastest multi-tensor
         # reduction on CPU and GPU): NaN and inf make the norm non-finite. A norm
         # can also overflow on huge but finite values, so flagged tensors are
         # checked again element by element before anything is rejected.
         local = [_local(state[k]) for k in keys]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(local)])
-        bad_mask = ~torch.isfinite(norms)
-        for i in bad_mask.nonzero().flatten().tolist():
-            bad_mask[i] = not bool(torch.isfinite(local[i]).all())
+        norms = torch._foreach_norm(local)
+        if len({n.dtype for n in norms}) > 1:
+            norms = [n.float() for n in norms]
+        bad = (~torch.isfinite(torch.stack(norms))).to(torch.uint8)
+        if bool(bad.any()):  # the one host sync of a clean validation
+            for i in bad.nonzero().flatten().tolist():
+                bad[i] = int(not bool(torch.isfinite(local[i]).all()))
         if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in keys):
-            dist.all_reduce(bad_mask.to(torch.uint8).view(-1), op=dist.ReduceOp.MAX)
-        if bool(bad_mask.any()):
-            names = [k for k, b in zip(keys, bad_mask.tolist()) if b]
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # a NaN in any rank's shard
+        if bool(bad.any()):
+            names = [k for k, b in zip(keys, bad.tolist()) if b]
             raise ValueError(f"weight_sync: non-finite values (NaN/inf) in {names}")
 
     @torch.no_grad()
@@ -155,6 +163,8 @@ class WeightSync:
         start = time.perf_counter()
         state = self._source(state)
         keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
+        unchanged = self._unchanged(state, keys)
+        keys = [k for k in keys if k not in unchanged] if unchanged else keys
         self.validate(state, keys)
         gen = self.generator
         if gen is not None:
@@ -173,7 +183,26 @@ class WeightSync:
         if gen is not None:
             gen.finish_sync(version)
         self.base_synced = True
+        for k in keys:
+            if not state[k].requires_grad:
+                self._moved[k] = (weakref.ref(state[k]), _local(state[k])._version)
         return SyncStats(version, time.perf_counter() - start, sum(self.sizes[k] for k in keys), verified)
+
+    def _unchanged(self, state: dict[str, torch.Tensor], keys: list[str]) -> set[str]:
+        """Frozen tensors (buffers such as the RoPE cache, a LoRA run's base) not
+        modified since they last moved: the same tensor object with the same
+        version counter, which every in-place write bumps. All ranks agree."""
+        candidates = [k for k in keys if k in self._moved and not state[k].requires_grad]
+        if not candidates:
+            return set()
+        same = torch.tensor(
+            [self._moved[k][0]() is state[k] and self._moved[k][1] == _local(state[k])._version for k in candidates],
+            dtype=torch.uint8,
+            device=_local(state[candidates[0]]).device,  # NCCL reduces device tensors only
+        )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        return {k for k, s in zip(candidates, same.tolist()) if s}
 
     def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
