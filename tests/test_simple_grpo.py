@@ -30,15 +30,12 @@ def _config(output_dir: Path, *, steps: int) -> JobConfig:
 
 
 def run(cfg: JobConfig) -> list[dict]:
-    """simple_grpo.run, with dropped vLLM engines shut down before and after it.
+    """simple_grpo.run, with a garbage collection in between runs.
 
-    vLLM shuts an engine down from a finalizer when the garbage collector
-    drops it, and that shutdown (vllm.distributed.parallel_state.
-    destroy_distributed_environment) destroys the default process group, the
-    trainer's. Collected here, between runs, it is harmless (the next Trainer
-    starts a new group); left to chance, it can land inside the next run.
+    vLLM's engine shutdown used to destroy the default process group (the
+    trainer's) when a dropped engine was collected; compat keeps it now, and
+    collecting here makes any regression of that show up at once.
     """
-    gc.collect()
     history = simple_grpo.run(cfg)
     gc.collect()
     return history

@@ -48,8 +48,9 @@ def build_llm_engine(
     # vLLM's INFO lines (per-interval throughput, cache resets) drown the progress bar.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if batch_invariant and device != "cpu":
-        # vLLM's batch-invariant overrides are Triton kernels (GPU only); on CPU
-        # the model switches to models/batch_invariant.py instead.
+        # vLLM's batch-invariant aten overrides (log_softmax for the sampler's
+        # logprobs) are Triton kernels, GPU only; the model itself switches to
+        # models/batch_invariant.py on every device.
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import EngineArgs, LLMEngine
 
@@ -68,10 +69,38 @@ def build_llm_engine(
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_cache_memory_bytes >> 30))
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if batch_invariant:
+            # The batch-invariant attention plans its gathers on the host each
+            # step (models/vllm_qwen3.py), which a CUDA graph cannot replay.
+            kwargs["enforce_eager"] = True
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
+    _keep_default_group_on_engine_shutdown()
     with _private_world():
         return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def _keep_default_group_on_engine_shutdown() -> None:
+    """An in-process engine's shutdown must not take the trainer's process group.
+
+    vLLM's teardown ends with ``torch.distributed.destroy_process_group()``,
+    which destroys the default group, the trainer's, whenever an engine is
+    garbage-collected. Tear down only vLLM's own groups; a later engine in
+    this process reuses the default group.
+    """
+    import vllm.distributed.parallel_state as ps
+
+    if getattr(ps, "_torchtitan_rl_keeps_default_group", False):
+        return
+
+    def destroy_distributed_environment():
+        if ps._WORLD:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = destroy_distributed_environment
+    ps._torchtitan_rl_keeps_default_group = True
 
 
 @contextlib.contextmanager
@@ -129,18 +158,22 @@ def titan_mesh_device_type(device_type: str) -> None:
     parallel_dims.device_type = device_type
 
 
+def batch_invariant_ops():
+    """vLLM's batch-invariant Triton kernels (CUDA): a module with
+    ``matmul_persistent``, ``bmm_batch_invariant`` and ``rms_norm_batch_invariant``."""
+    try:
+        from vllm.model_executor.determinism import batch_invariant  # vLLM >= 0.30
+    except ImportError:
+        from vllm.model_executor.layers import batch_invariant  # vLLM 0.26
+    return batch_invariant
+
+
 def enable_batch_invariant_kernels() -> None:
     """Install vLLM's batch-invariant aten overrides (CUDA) in this process.
 
-    The trainer then computes with the same mm/log_softmax/mean kernels as a
-    colocated vLLM engine started with VLLM_BATCH_INVARIANT=1 (idempotent).
+    The trainer then computes log_softmax (and softmax/mean/bmm) with the same
+    kernels as a colocated vLLM engine started with VLLM_BATCH_INVARIANT=1
+    (idempotent). On Hopper vLLM 0.26 does not override mm: our linears call
+    its persistent matmul directly (models/batch_invariant.py).
     """
-    try:
-        from vllm.model_executor.determinism.batch_invariant import (  # vLLM >= 0.30
-            enable_batch_invariant_mode,
-        )
-    except ImportError:
-        from vllm.model_executor.layers.batch_invariant import (  # vLLM 0.26
-            enable_batch_invariant_mode,
-        )
-    enable_batch_invariant_mode()
+    batch_invariant_ops().enable_batch_invariant_mode()

@@ -74,112 +74,116 @@ def run(cfg: JobConfig) -> list[dict]:
             cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
             device=device.type, workdir=out, batch_invariant=cfg.batch_invariant_mode,
         )
-    sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator, lora=cfg.model.lora)
+    try:
+        sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator, lora=cfg.model.lora)
 
-    prompt_rng = random.Random(cfg.job.seed)
-    start = 0
-    if cfg.resume:
-        extra = trainer.load_latest_checkpoint()
-        if extra is not None:
-            prompt_rng.setstate(_tuples(extra["prompt_rng"]))
-            start = trainer.step
+        prompt_rng = random.Random(cfg.job.seed)
+        start = 0
+        if cfg.resume:
+            extra = trainer.load_latest_checkpoint()
+            if extra is not None:
+                prompt_rng.setstate(_tuples(extra["prompt_rng"]))
+                start = trainer.step
 
-    P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-    if (P * G) % trainer.dp_size:
-        raise ValueError(
-            f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {trainer.dp_size} data-parallel ranks"
-        )
-    temperature = cfg.generator.sampling.temperature
-    logger = MetricsLogger(out, enabled=rank == 0)
-    bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
-    for step in bar:
-        t_step = time.perf_counter()
-        # 1. sync: the generator serves the trainer's current weights (negative
-        #    control: only the first sync, so the generator keeps step-0 weights).
-        sync_s = 0.0
-        if cfg.weight_sync.enable or step == start:
-            sync_s = sync.sync(trainer.sync_state(), version=step).seconds
+        P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+        if (P * G) % trainer.dp_size:
+            raise ValueError(
+                f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {trainer.dp_size} data-parallel ranks"
+            )
+        temperature = cfg.generator.sampling.temperature
+        logger = MetricsLogger(out, enabled=rank == 0)
+        bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
+        for step in bar:
+            t_step = time.perf_counter()
+            # 1. sync: the generator serves the trainer's current weights (negative
+            #    control: only the first sync, so the generator keeps step-0 weights).
+            sync_s = 0.0
+            if cfg.weight_sync.enable or step == start:
+                sync_s = sync.sync(trainer.sync_state(), version=step).seconds
 
-        # 2. generate on rank 0; every rank gets the rollouts.
-        prompts = task.sample_prompts(P, generator=prompt_rng)
-        t_gen = time.perf_counter()
-        payload = [None]
-        if rank == 0:
-            payload = [
-                generator.generate(
-                    [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
-                    seed=cfg.job.seed * 1_000_003 + step,
-                )
-            ]
-        if world > 1:
-            dist.broadcast_object_list(payload, src=0)
-        rollouts = payload[0]
-        gen_s = time.perf_counter() - t_gen
+            # 2. generate on rank 0; every rank gets the rollouts.
+            prompts = task.sample_prompts(P, generator=prompt_rng)
+            t_gen = time.perf_counter()
+            payload = [None]
+            if rank == 0:
+                payload = [
+                    generator.generate(
+                        [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
+                        seed=cfg.job.seed * 1_000_003 + step,
+                    )
+                ]
+            if world > 1:
+                dist.broadcast_object_list(payload, src=0)
+            rollouts = payload[0]
+            gen_s = time.perf_counter() - t_gen
 
-        # 3. score, 4. group-relative advantages
-        rewards_B = torch.tensor(
-            [task.reward(prompts[i // G], c) for i, c in enumerate(rollouts.completion_ids)]
-        )
-        advantages_B = group_advantages(rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
+            # 3. score, 4. group-relative advantages
+            rewards_B = torch.tensor(
+                [task.reward(prompts[i // G], c) for i, c in enumerate(rollouts.completion_ids)]
+            )
+            advantages_B = group_advantages(rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
 
-        # 5. this rank's rows; the trainer recomputes their logprobs
-        tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
-            rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id
-        )
-        # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
-        per_rank = P * G // trainer.dp_size
-        rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
-        trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature).cpu()
-        mismatch = _reduce_mismatch(
-            logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
-        )
-        ref_lp_BL = (
-            reference.token_logprobs(tokens_BL[rows], temperature=temperature).cpu() if reference else None
-        )
+            # 5. this rank's rows; the trainer recomputes their logprobs
+            tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
+                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id
+            )
+            # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
+            per_rank = P * G // trainer.dp_size
+            rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
+            trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature).cpu()
+            mismatch = _reduce_mismatch(
+                logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
+            )
+            ref_lp_BL = (
+                reference.token_logprobs(tokens_BL[rows], temperature=temperature).cpu() if reference else None
+            )
 
-        # 6. clipped policy-gradient step
-        t_train = time.perf_counter()
-        metrics = trainer.train_step(
-            TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL),
-            temperature=temperature, grpo=cfg.grpo,
-        )
-        train_s = time.perf_counter() - t_train
+            # 6. clipped policy-gradient step
+            t_train = time.perf_counter()
+            metrics = trainer.train_step(
+                TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL),
+                temperature=temperature, grpo=cfg.grpo,
+            )
+            train_s = time.perf_counter() - t_train
 
-        if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
-            trainer.save_checkpoint(step + 1, extra={"prompt_rng": prompt_rng.getstate()})
+            if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
+                trainer.save_checkpoint(step + 1, extra={"prompt_rng": prompt_rng.getstate()})
 
-        # 7. log
-        completion_tokens = sum(len(c) for c in rollouts.completion_ids)
-        record = {
-            "reward_mean": rewards_B.mean().item(),
-            "reward_max": rewards_B.max().item(),
-            **metrics,
-            **mismatch,
-            "weight_version": rollouts.weight_version,
-            "gen_tokens_per_s": completion_tokens / max(gen_s, 1e-9),
-            "sync_s": sync_s,
-            "generate_s": gen_s,
-            "train_s": train_s,
-            "step_s": time.perf_counter() - t_step,
-        }
-        logger.log(step, record)
-        bar.set_postfix(
-            reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}", kl=f"{record['kl']:.4f}",
-            mismatch=f"{record['mismatch_mean']:.1e}", tok_s=f"{record['gen_tokens_per_s']:.0f}",
-        )
+            # 7. log
+            completion_tokens = sum(len(c) for c in rollouts.completion_ids)
+            record = {
+                "reward_mean": rewards_B.mean().item(),
+                "reward_max": rewards_B.max().item(),
+                **metrics,
+                **mismatch,
+                "weight_version": rollouts.weight_version,
+                "gen_tokens_per_s": completion_tokens / max(gen_s, 1e-9),
+                "sync_s": sync_s,
+                "generate_s": gen_s,
+                "train_s": train_s,
+                "step_s": time.perf_counter() - t_step,
+            }
+            logger.log(step, record)
+            bar.set_postfix(
+                reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}", kl=f"{record['kl']:.4f}",
+                mismatch=f"{record['mismatch_mean']:.1e}", tok_s=f"{record['gen_tokens_per_s']:.0f}",
+            )
 
-    plot = logger.close()
-    history = logger.history
-    if rank == 0 and history:
-        k = max(1, min(5, len(history) // 4))
-        first = sum(r["reward_mean"] for r in history[:k]) / k
-        last = sum(r["reward_mean"] for r in history[-k:]) / k
-        print(
-            f"torchtitan_rl: mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
-            f"steps {start}..{cfg.trainer.steps}; wall {time.perf_counter() - started:.1f} s; "
-            f"metrics {out / 'metrics.jsonl'}; plot {plot}"
-        )
-    return history
+        plot = logger.close()
+        history = logger.history
+        if rank == 0 and history:
+            k = max(1, min(5, len(history) // 4))
+            first = sum(r["reward_mean"] for r in history[:k]) / k
+            last = sum(r["reward_mean"] for r in history[-k:]) / k
+            print(
+                f"torchtitan_rl: mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
+                f"steps {start}..{cfg.trainer.steps}; wall {time.perf_counter() - started:.1f} s; "
+                f"metrics {out / 'metrics.jsonl'}; plot {plot}"
+            )
+        return history
+    finally:
+        if generator is not None:
+            generator.close()  # now, not at a garbage collection in the middle of something else
 
 
 def _device(name: str):

@@ -93,6 +93,10 @@ class Generator:
                     dest.view.fill_(float("nan"))
         self._request_counter = 0
 
+    def close(self) -> None:
+        """Shut the engine down now rather than whenever it is garbage-collected."""
+        self.engine.engine_core.shutdown()
+
     @property
     def weight_version(self) -> int | None:
         """Version of the weights being served; None until the first sync."""
