@@ -175,8 +175,8 @@ class GRPOConfig:
 class WeightSyncConfig:
     enable: bool = True
     """Push trainer weights to the generator each step (false: negative control)."""
-    transport: Literal["inplace"] = "inplace"
-    """inplace: colocated, copy into the generator's tensors in this process."""
+    transport: Literal["inplace", "nccl"] = "inplace"
+    """inplace: colocated, in this process; nccl: generator on its own rank (weight_sync/nccl.py; not in simple_grpo)."""
     bucket_mb: int = 512
     """Largest bucket of gathered/cast tensors in flight, in MiB."""
     verify: Literal["off", "sampled", "full"] = "sampled"
