@@ -104,3 +104,13 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # The resumed run appends to the same metrics file.
     lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(6))
+
+
+def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
+    cfg = _config(tmp_path, steps=3)
+    cfg.batch_invariant_mode = True
+    cfg.grpo.prompts_per_step = 8
+    validate(cfg)
+    history = run(cfg)
+    assert [r["mismatch_frac_tokens"] for r in history] == [0.0, 0.0, 0.0]
+    assert all(r["mismatch_max"] == 0.0 for r in history)

@@ -1,0 +1,24 @@
+"""scripts/check_bitwise_identity.py on the small CPU config: batch-invariant mode is bitwise."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_check_bitwise_identity_passes_on_the_cpu_config(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/check_bitwise_identity.py", "--config", "run_configs/cpu_tiny.toml",
+         "--output-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| batch-invariant")]
+    assert len(rows) >= 3  # several batch sizes
+    for mode, batch, compared, different, max_diff in (map(str.strip, r) for r in rows):
+        assert int(compared) > 0 and int(different) == 0 and float(max_diff) == 0.0
+    # Default mode is not bitwise on this machine: the check can tell the two apart.
+    defaults = [line for line in proc.stdout.splitlines() if line.startswith("| default")]
+    assert any(int(line.split("|")[4]) > 0 for line in defaults)
+    assert "PASS" in proc.stdout
