@@ -200,12 +200,18 @@ def trainer_vllm(world, flavor: str, args, res: dict) -> None:
     if status != "ready":
         res["errors"]["vllm"] = status
         return
-    sys.path.insert(0, str(RAY_STUB))
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+    try:
+        sys.path.insert(0, str(RAY_STUB))
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine,
+        )
 
-    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=args.max_seq_len)
-    model = build_titan_model(shape, seed=0, device=world.device)  # the trainer's init weights, HF names
-    hf_state = hf_weights(model, shape)
+        shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=args.max_seq_len)
+        model = build_titan_model(shape, seed=0, device=world.device)  # the trainer's init weights, HF names
+        hf_state = hf_weights(model, shape)
+    except Exception as e:
+        ch.put("meta", {"error": f"{type(e).__name__}: {e}"[:500]})  # the generator skips too
+        raise
     ch.put("meta", {"names": list(hf_state), "shapes": [list(v.shape) for v in hf_state.values()]})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -317,6 +323,8 @@ def generator_vllm(world, flavor: str, args, workdir: Path) -> None:
         return
     ch.put("status", "ready")
     meta = ch.get("meta")
+    if "error" in meta:
+        return
     port = ch.get("port")
     engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})

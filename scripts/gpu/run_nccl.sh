@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 nvidia-smi topo -m > "$OUT/nccl_topo.txt" 2>&1; cat "$OUT/nccl_topo.txt"
 python3 -c 'import torch; print("devices", torch.cuda.device_count(), "p2p 0->1", torch.cuda.can_device_access_peer(0, 1))'
 start=$(date +%s)
-timeout ${NCCL_TIMEOUT_S:-420} python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29555 \
+timeout ${NCCL_TIMEOUT_S:-330} python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29555 \
   scripts/bench_nccl_sync.py --flavors ${NCCL_FLAVORS:-0.6B 1.7B} --json "$OUT/nccl_sync.json" ${NCCL_ARGS:-} \
   > "$OUT/nccl_full.log" 2>&1
 rc=$?
