@@ -1,16 +1,23 @@
 """Cost of batch-invariant mode: generator tokens/s and trainer step time vs default.
 
-Same config, same process; default mode first (CPU batch-invariant mode pins
-torch to one thread for the process, so default mode is also measured with
-one thread, after the engine reduced it, for a fair ratio).
+Same config, default mode first (CPU batch-invariant mode pins torch to one
+thread for the process, so on CPU default mode is also measured with one
+thread, after the engine reduced it, for a fair ratio). On CUDA each mode
+runs in its own process (vLLM engines keep their GPU memory; the
+batch-invariant overrides are process-wide); batch-invariant mode runs the
+generator eager (no CUDA graphs), default mode as the config says.
 
     python scripts/bench_batch_invariant.py --config run_configs/cpu_tiny.toml
 """
 
 import argparse
 import dataclasses
+import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,8 +64,11 @@ def measure(cfg, *, repeats: int, out_dir: Path) -> dict:
         old = trainer.token_logprobs(tokens, temperature=T).cpu()
         trainer.train_step(TrainBatch(tokens, mask, old, adv), temperature=T, grpo=cfg.grpo)
         step_s = time.perf_counter() - t1
+        n_tokens = sum(len(c) for c in r.completion_ids)
+        print(f"[bench_batch_invariant] bi={bi} round {i}: {n_tokens} tokens in {gen_s:.2f} s, "
+              f"step {step_s:.2f} s", flush=True)
         if i:  # the first round warms up
-            gen_rates.append(sum(len(c) for c in r.completion_ids) / gen_s)
+            gen_rates.append(n_tokens / gen_s)
             step_times.append(step_s)
     del gen
     return {"tok_s": statistics.median(gen_rates), "step_s": statistics.median(step_times)}
@@ -68,7 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts-per-step", type=int, default=None, help="override grpo.prompts_per_step")
+    parser.add_argument("--max-tokens", type=int, default=None, help="override generator.sampling.max_tokens")
     parser.add_argument("--output-dir", default="outputs/bench_batch_invariant")
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--worker-mode", choices=["default", "bi"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     import torch
@@ -77,18 +92,48 @@ def main() -> None:
     from torchtitan_rl.config import load_toml
 
     base = load_toml(args.config)
+    if args.prompts_per_step:
+        base = dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, prompts_per_step=args.prompts_per_step))
+    if args.max_tokens:
+        sampling = dataclasses.replace(base.generator.sampling, max_tokens=args.max_tokens)
+        base = dataclasses.replace(base, generator=dataclasses.replace(base.generator, sampling=sampling))
+    device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
+    if args.worker_mode:
+        cfg = dataclasses.replace(base, batch_invariant_mode=args.worker_mode == "bi")
+        res = measure(cfg, repeats=args.repeats, out_dir=Path(args.output_dir) / args.worker_mode)
+        Path(args.worker_out).write_text(json.dumps(res))
+        sys.stdout.flush()
+        os._exit(0)  # skip vLLM's in-process engine teardown
     results = {}
-    for bi in (False, True):
-        cfg = dataclasses.replace(base, batch_invariant_mode=bi)
-        results[bi] = measure(cfg, repeats=args.repeats, out_dir=Path(args.output_dir) / str(bi))
-    d, b = results[False], results[True]
+    for mode in ("default", "bi"):
+        if device == "cpu":
+            cfg = dataclasses.replace(base, batch_invariant_mode=mode == "bi")
+            results[mode] = measure(cfg, repeats=args.repeats, out_dir=Path(args.output_dir) / mode)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "res.json"
+            cmd = [sys.executable, __file__, "--config", args.config, "--repeats", str(args.repeats),
+                   "--output-dir", args.output_dir, "--worker-mode", mode, "--worker-out", str(out)]
+            cmd += ["--prompts-per-step", str(args.prompts_per_step)] if args.prompts_per_step else []
+            cmd += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
+            if subprocess.run(cmd).returncode != 0 or not out.exists():
+                sys.exit(f"the {mode} run failed")
+            results[mode] = json.loads(out.read_text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    d, b = results["default"], results["bi"]
     rows = [
         ["generator tokens/s", f"{d['tok_s']:.0f}", f"{b['tok_s']:.0f}", f"{d['tok_s'] / b['tok_s']:.2f}x slower"],
         ["trainer step s (recompute + fwd/bwd + optimizer)", f"{d['step_s']:.3f}", f"{b['step_s']:.3f}",
          f"{b['step_s'] / d['step_s']:.2f}x slower"],
     ]
     body = table(["measure", "default", "batch-invariant", "cost"], rows)
-    device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
+    body += (
+        f"\n{base.grpo.prompts_per_step} prompts x {base.grpo.group_size} samples, up to "
+        f"{base.generator.sampling.max_tokens} new tokens, median of {args.repeats} rounds after one warm-up"
+        + ("; batch-invariant generation runs eager, default as configured "
+           f"(enforce_eager={base.generator.enforce_eager}).\n" if device == "cuda" else ".\n")
+    )
     write_section(f"Batch-invariant cost ({Path(args.config).stem}, {device})", device=device, body=body)
 
 

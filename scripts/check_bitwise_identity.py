@@ -4,15 +4,21 @@ Builds trainer and generator from a config, syncs the trainer's weights,
 generates with several batch sizes, recomputes every sampled token's logprob
 on the trainer (in one differently composed batch), and prints a table for
 default mode and batch-invariant mode. Exit code 0 only if batch-invariant
-mode shows zero differing tokens.
+mode shows zero differing tokens. On CUDA each mode runs in its own process
+(vLLM engines keep their GPU memory; the batch-invariant overrides are
+process-wide).
 
     python scripts/check_bitwise_identity.py --config run_configs/cpu_tiny.toml
 """
 
 import argparse
 import dataclasses
+import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,6 +65,7 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
         diff = (trainer_BL[valid] - gen_BL[valid]).abs()
         rows.append(["batch-invariant" if bi else "default", batch, int(valid.sum()),
                      int((diff != 0).sum()), f"{diff.max().item():.3g}"])
+        print(f"[bitwise] {rows[-1]}", flush=True)
     del generator
     return rows
 
@@ -69,24 +76,47 @@ def main() -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 7, 64])
     parser.add_argument("--output-dir", default="outputs/bitwise_check")
     parser.add_argument("--write-benchmarks", action="store_true", help="record the table in docs/benchmarks.md")
+    parser.add_argument("--worker-mode", choices=["default", "bi"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    import torch
 
     from torchtitan_rl.config import load_toml, validate
     from bench_common import table, write_section
 
     base = load_toml(args.config)
     validate(base)
+    device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
+    if args.worker_mode:
+        cfg = dataclasses.replace(base, batch_invariant_mode=args.worker_mode == "bi")
+        rows = compare(cfg, batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / args.worker_mode)
+        Path(args.worker_out).write_text(json.dumps(rows))
+        sys.stdout.flush()
+        os._exit(0)  # skip vLLM's in-process engine teardown
     rows = []
     # Default first: CPU batch-invariant mode pins torch to one thread for the process.
-    for bi in (False, True):
-        cfg = dataclasses.replace(base, batch_invariant_mode=bi)
-        rows += compare(cfg, batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / ("bi" if bi else "default"))
+    for mode in ("default", "bi"):
+        if device == "cpu":
+            cfg = dataclasses.replace(base, batch_invariant_mode=mode == "bi")
+            rows += compare(cfg, batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / mode)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            cmd = [sys.executable, __file__, "--config", args.config, "--output-dir", args.output_dir,
+                   "--batch-sizes", *map(str, args.batch_sizes), "--worker-mode", mode, "--worker-out", str(out)]
+            if subprocess.run(cmd).returncode != 0 or not out.exists():
+                print(f"FAIL: the {mode} run failed")
+                return 1
+            rows += json.loads(out.read_text())
     body = table(["mode", "prompts in batch", "tokens compared", "tokens different", "max abs diff"], rows)
+    body += (
+        f"\nTrainer and generator built from {Path(args.config).name} (random weights, one sync), one sample per "
+        f"prompt, T={base.generator.sampling.temperature}, up to {base.generator.sampling.max_tokens} new tokens; "
+        f"the trainer recomputes the rows in reverse order (micro-batches of {base.trainer.micro_batch_size}).\n"
+    )
     print(body)
     if args.write_benchmarks:
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
         write_section(f"Bitwise identity ({Path(args.config).stem}, {device})", device=device, body=body)
     ok = all(r[3] == 0 for r in rows if r[0] == "batch-invariant")
     print("PASS: batch-invariant mode is bitwise identical" if ok else "FAIL: batch-invariant mode differs")

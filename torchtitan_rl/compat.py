@@ -168,6 +168,16 @@ def batch_invariant_ops():
     return batch_invariant
 
 
+def vllm_sampler_logprob_kernels():
+    """vLLM's GPU sampler kernels behind processed logprobs (the V1 GPU model runner):
+    ``apply_temperature(logits, idx_mapping, temperature)``, in place in the
+    logits' dtype, and ``compute_token_logprobs(logits, token_ids)``."""
+    from vllm.v1.worker.gpu.sample.gumbel import apply_temperature
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    return apply_temperature, compute_token_logprobs
+
+
 def enable_batch_invariant_kernels() -> None:
     """Install vLLM's batch-invariant aten overrides (CUDA) in this process.
 

@@ -11,6 +11,10 @@
 #   grpo         scripts/gpu/grpo_loop.py on run_configs/qwen3_0.6b.toml (GRPO_STEPS, default 20)
 #   generation   scripts/bench_generation.py                  (GEN_MODES, default "graphs eager")
 #   startup      scripts/bench_startup.py
+#   bitwise      scripts/check_bitwise_identity.py on run_configs/qwen3_0.6b.toml (BITWISE_BATCHES, default "1 7 64")
+#   bi_cost      scripts/bench_batch_invariant.py on run_configs/qwen3_0.6b.toml (BI_PROMPTS, default 16 prompts
+#                x 8 samples; BI_MAX_TOKENS, default 128; BI_REPEATS, default 2)
+#   lora         scripts/gpu/lora_sync.py (LORA_FLAVORS, default "0.6B 1.7B"): bench_lora_sync.py, one process per engine
 # Each writes $OUT/<name>.log (+ JSON); docs/benchmarks.md with the new GPU
 # sections is copied to $OUT/benchmarks.md at the end (merge it here with
 # scripts/gpu/merge_sections.py). At most 8 files come back per call.
@@ -32,6 +36,12 @@ for name in "$@"; do
     grpo)        python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT" ;;
     generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
     startup)     python3 scripts/bench_startup.py --json "$OUT/startup.json" ;;
+    bitwise)     python3 scripts/check_bitwise_identity.py --config run_configs/qwen3_0.6b.toml \
+                   --batch-sizes ${BITWISE_BATCHES:-1 7 64} --write-benchmarks ;;
+    bi_cost)     python3 scripts/bench_batch_invariant.py --config run_configs/qwen3_0.6b.toml \
+                   --prompts-per-step "${BI_PROMPTS:-16}" --max-tokens "${BI_MAX_TOKENS:-128}" \
+                   --repeats "${BI_REPEATS:-2}" --json "$OUT/bi_cost.json" ;;
+    lora)        python3 scripts/gpu/lora_sync.py --flavors ${LORA_FLAVORS:-0.6B 1.7B} --json "$OUT/lora.json" ;;
     *)           echo "unknown name: $name"; false ;;
   esac 2>&1 | tee "$OUT/$name.log"
   rc=$?

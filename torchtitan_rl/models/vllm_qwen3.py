@@ -8,6 +8,7 @@ so writing a parameter in place changes what the generator computes.
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -22,17 +23,18 @@ LORA_KEY = "torchtitan_rl_lora"
 """hf_overrides key: LoRAConfig fields when the generator applies adapters unmerged."""
 
 BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
-"""hf_overrides key: > 0 switches the generator's model to batch-invariant CPU
-kernels whose attention pads every sequence to this length (model.max_seq_len,
-the same length the trainer pads to)."""
+"""hf_overrides key: > 0 switches the generator's model to the batch-invariant
+kernels (models/batch_invariant.py), whose attention pads every sequence to
+this length (model.max_seq_len, the same length the trainer pads to)."""
 
 
 class PagedAttention(nn.Module):
     """Stands in for torchtitan's inner attention; vLLM's layer keeps the KV cache.
 
-    In batch-invariant mode on CPU (``bi_max_len`` set) it keeps its own copy
-    of each token's K/V by vLLM's slot mapping and attends with the same
-    fixed-length kernel the trainer uses (models/batch_invariant.py).
+    In batch-invariant mode (``bi_max_len`` set) it keeps its own copy of
+    each token's K/V by vLLM's slot mapping and attends with the same
+    fixed-length kernel the trainer uses (models/batch_invariant.py): on CPU
+    ``attend`` per sequence, on CUDA ``attend_mm`` over chunks of sequences.
     """
 
     def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str, bi_max_len: int | None = None) -> None:
@@ -49,12 +51,14 @@ class PagedAttention(nn.Module):
         self.block_size = cache_config.block_size
         self.bi_max_len = bi_max_len
         self.scale = shape.head_dim**-0.5
-        self._kv_slots: torch.Tensor | None = None  # [slots, 2, n_kv, head_dim]
+        self._kv_slots: torch.Tensor | None = None  # CPU: [slots, 2, n_kv, head_dim]
+        self._kv_rows: torch.Tensor | None = None  # CUDA: [2, n_kv, rows, head_dim], row = slot + 2
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, **_unused) -> torch.Tensor:
         B, L, N, H = q_BLNH.shape
         if self.bi_max_len is not None:
-            return self._batch_invariant(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
+            bi = self._batch_invariant_cuda if q_BLNH.is_cuda else self._batch_invariant
+            return bi(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
         out_TD = self.attn(
             q_BLNH.reshape(B * L, N * H),
             k_BLNH.reshape(B * L, -1),
@@ -98,6 +102,105 @@ class PagedAttention(nn.Module):
             )
         return out
 
+    def _batch_invariant_cuda(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        from torchtitan_rl.models.batch_invariant import attend_mm
+
+        out = torch.zeros_like(q_TNH)
+        md = get_forward_context().attn_metadata
+        md = md.get(self.layer_name) if isinstance(md, dict) else None
+        if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
+            return out
+        plan = _bi_plan(md, max_len=self.bi_max_len, block_size=self.block_size)
+        if self._kv_rows is None or self._kv_rows.shape[2] < plan.rows_needed:
+            have = 0 if self._kv_rows is None else self._kv_rows.shape[2]
+            grown = k_TKH.new_zeros(2, k_TKH.shape[1], max(plan.rows_needed, have + have // 4), k_TKH.shape[2])
+            if have:
+                grown[:, :, :have] = self._kv_rows
+            self._kv_rows = grown
+        T = plan.rows_T.shape[0]
+        self._kv_rows[0][:, plan.rows_T] = k_TKH[:T].transpose(0, 1)
+        self._kv_rows[1][:, plan.rows_T] = v_TKH[:T].transpose(0, 1)
+        for c in plan.chunks:
+            kv = self._kv_rows[:, :, c.kv_rows]  # [2, n_kv, seqs, max_len, head_dim], zeros past each end
+            out_BRNH = attend_mm(q_TNH[c.q_index], kv[0], kv[1], c.positions, scale=self.scale)
+            out[c.out_index] = out_BRNH.flatten(0, 1)[c.real]
+        return out
+
+
+@dataclass
+class _Chunk:
+    q_index: torch.Tensor
+    """[seqs, rows] token index of each query row (a shorter sequence repeats its last row)."""
+    positions: torch.Tensor
+    """[seqs, rows] position of each query row in its sequence."""
+    kv_rows: torch.Tensor
+    """[seqs, max_len] store row of positions 0..max_len-1 (0, the zero row, past the end)."""
+    real: torch.Tensor
+    """Indices of the real rows among the flattened [seqs * rows]."""
+    out_index: torch.Tensor
+    """Token index of each real row."""
+
+
+@dataclass
+class _Plan:
+    rows_T: torch.Tensor
+    """Store row of each new token: its slot + 2 (row 0 stays zero, row 1 takes padded tokens)."""
+    rows_needed: int
+    chunks: list[_Chunk]
+
+
+_last_plan: tuple[object, _Plan] | None = None
+
+
+def _bi_plan(md, *, max_len: int, block_size: int) -> _Plan:
+    """CUDA batch-invariant attention: what every layer of this forward gathers (built once per forward)."""
+    global _last_plan
+    if _last_plan is not None and _last_plan[0] is md:
+        return _last_plan[1]
+    from torchtitan_rl.models.batch_invariant import seqs_per_chunk
+
+    device = md.slot_mapping.device
+    slots = md.slot_mapping[: md.num_actual_tokens].long()
+    rows_T = torch.where(slots >= 0, slots + 2, 1)
+    starts = md.query_start_loc.tolist()
+    n_q = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+    seq_lens = md.seq_lens.tolist()[: len(n_q)]
+    assert max(seq_lens, default=0) <= max_len, f"a sequence exceeds model.max_seq_len {max_len}"
+    # Sequences with the same number of query rows together (decodes: 1), few padded rows.
+    order = sorted((i for i in range(len(n_q)) if n_q[i]), key=n_q.__getitem__)
+    pos_S = torch.arange(max_len, device=device)
+    chunks = []
+    i = 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and j + 1 - i <= seqs_per_chunk(n_q[order[j]], max_len):
+            j += 1
+        seqs = order[i:j]
+        start = torch.tensor([starts[s] for s in seqs])
+        nq = torch.tensor([n_q[s] for s in seqs])
+        seq_len = torch.tensor([seq_lens[s] for s in seqs])
+        r = torch.arange(int(nq.max()))
+        offset = torch.minimum(r[None], nq[:, None] - 1)
+        q_index = start[:, None] + offset
+        real = (r[None] < nq[:, None]).flatten().nonzero().squeeze(1)
+        blocks = md.block_table[torch.tensor(seqs, device=device)].long()
+        blocks = blocks[:, (pos_S // block_size).clamp(max=blocks.shape[1] - 1)]
+        kv_rows = torch.where(pos_S < seq_len.to(device)[:, None], blocks * block_size + pos_S % block_size + 2, 0)
+        chunks.append(_Chunk(
+            q_index=q_index.to(device), positions=(seq_len[:, None] - nq[:, None] + offset).to(device),
+            kv_rows=kv_rows, real=real.to(device), out_index=q_index.flatten()[real].to(device),
+        ))
+        i = j
+    for c in chunks:  # the block table and the slot mapping must agree on where new tokens go
+        assert torch.equal(c.kv_rows.gather(1, c.positions[:, -1:]), rows_T[c.q_index[:, -1:]]), (
+            "block table and slot mapping disagree (block size?)"
+        )
+    plan = _Plan(rows_T=rows_T, rows_needed=int(rows_T.max()) + 1 if len(rows_T) else 2, chunks=chunks)
+    _last_plan = (md, plan)
+    return plan
+
 
 class TorchTitanQwen3ForCausalLM(nn.Module):
     """vLLM model class (registered as ``TITAN_ARCH``) wrapping torchtitan's Qwen3."""
@@ -111,10 +214,8 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
         hf_config = vllm_config.model_config.hf_config.to_dict()
         self.shape = Qwen3Shape.from_hf_config(hf_config)
         self.model = titan_config(self.shape).build()
-        # CPU batch-invariant mode (flag carried in hf_overrides); on GPU vLLM's
-        # own batch-invariant kernels are switched on by VLLM_BATCH_INVARIANT.
-        bi_max_len = hf_config.get(BATCH_INVARIANT_KEY, 0) if compat.vllm_on_cpu() else 0
-        bi_max_len = bi_max_len or None
+        # Batch-invariant mode (flag carried in hf_overrides).
+        bi_max_len = hf_config.get(BATCH_INVARIANT_KEY, 0) or None
         for i, layer in enumerate(self.model.layers.values()):
             layer.attention.inner_attention = PagedAttention(
                 shape=self.shape,
@@ -125,7 +226,8 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
         if bi_max_len:
             from torchtitan_rl.models.batch_invariant import make_batch_invariant
 
-            make_batch_invariant(self.model, max_len=bi_max_len, replace_attention=False)
+            device = torch.device("cpu" if compat.vllm_on_cpu() else "cuda")
+            make_batch_invariant(self.model, max_len=bi_max_len, replace_attention=False, device=device)
         lora = hf_config.get(LORA_KEY)
         if lora:
             # Adapter applied unmerged at generation time, its tensors one flat buffer.

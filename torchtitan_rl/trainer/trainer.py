@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.loss import grpo_loss
-from torchtitan_rl.models.batch_invariant import make_batch_invariant
+from torchtitan_rl.models.batch_invariant import make_batch_invariant, sampler_token_logprobs
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.qwen3 import Qwen3Shape, titan_config
 from torchtitan_rl.trainer import checkpoint
@@ -104,10 +104,13 @@ class Trainer:
         model = _build_model(shape, seed=seed, device=self.device, parallelism=titan_parallelism)
         if model_config.hf_checkpoint is not None:
             load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
-        if batch_invariant and self.device.type == "cpu":
+        if batch_invariant:
             # The generator runs the same kernels (models/vllm_qwen3.py), padding
             # attention to the same length, so logprobs match bit for bit.
-            make_batch_invariant(model, max_len=model_config.max_seq_len, replace_attention=True)
+            make_batch_invariant(model, max_len=model_config.max_seq_len, replace_attention=True,
+                                 device=self.device)
+        self._sampler_logprobs = batch_invariant and self.device.type == "cuda"
+        """Compute token logprobs with vLLM's GPU sampler kernels (batch-invariant mode on CUDA)."""
         if model_config.lora.rank:
             torch.manual_seed(seed)  # adapter init, the same on every rank
             apply_lora(model, model_config.lora)
@@ -184,6 +187,8 @@ class Trainer:
         logits_BLV = self.model(tokens_BL)
         if isinstance(logits_BLV, DTensor):  # tensor parallel: vocab-sharded logits
             logits_BLV = logits_BLV.full_tensor()
+        if self._sampler_logprobs:
+            return F.pad(sampler_token_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], temperature), (1, 0))
         # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
         logits_BLV = logits_BLV[:, :-1].float() / temperature
         logprobs_BL = torch.log_softmax(logits_BLV, dim=-1)
