@@ -115,7 +115,7 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
     state = trainer.sync_state()
     res["n_params"] = sum(p.numel() for p in trainer.model.parameters())
     t = time.perf_counter()
-    sender = NcclSender(WeightSyncConfig(), reference=state, world=world, name=flavor)
+    sender = NcclSender(WeightSyncConfig(), reference=state, world=world, name=flavor, timeout_s=args.startup_timeout)
     res["sender_init_s"] = time.perf_counter() - t  # waits for the generator's plan (engine start included)
     version = iter(range(1, 1_000_000))
 
@@ -402,6 +402,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's NCCL engine")
+    parser.add_argument("--startup-timeout", type=float, default=180.0,
+                        help="seconds the trainer waits for the generator's plan (engine start included)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=str(BENCHMARKS_MD), help="where the table goes")
     parser.add_argument("--section", default="Weight sync over NCCL, generator on its own GPU (cuda, nvidia-h200-x2)")

@@ -49,7 +49,8 @@ def get(world, key: str):
 def generator_main(world, out_dir: Path) -> None:
     gen = make_generator(out_dir / "generator", wait_for_weights_s=60.0)
     receiver = NcclReceiver(generator=gen, world=world)
-    record = {"plan_entries": len(receiver.plan.entries), "constants": len(receiver.plan.constants)}
+    record = {"plan_entries": len(receiver.plan.entries), "constants": len(receiver.plan.constants),
+              "default_world": dist.get_world_size()}
 
     stats = receiver.receive()
     record["sync1"] = {"version": stats.version, "bytes": stats.bytes_written, "verified": stats.tensors_verified}

@@ -35,8 +35,9 @@ def run(tmp_path_factory) -> tuple[dict, dict]:
 
 
 def test_trainer_fsdp_world_excludes_the_generator_rank(run):
-    trainer, _ = run
+    trainer, gen = run
     assert trainer["trainer_world"] == 2 and trainer["dp_size"] == 2
+    assert gen["default_world"] == 1  # the generator's own group, which vLLM reuses
 
 
 def test_logprobs_match_trainer_after_two_syncs_with_different_weights(run):

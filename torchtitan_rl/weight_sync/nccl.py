@@ -7,7 +7,8 @@ last rank holds the generator (vLLM in process, on its own device).
 - the trainer ranks' *default* process group spans the trainer ranks only,
   so FSDP/ParallelDims (built on the default world), the trainer's own
   collectives and WeightSync's validation all-reduces run as they do
-  without a generator rank;
+  without a generator rank; the generator's default group is itself alone,
+  and vLLM builds its groups on that;
 - trainer rank 0 and the generator share a two-rank group (``pair``), built
   directly on the job's store, that carries the weights;
 - metadata goes through the job's TCP store: the trainer's key/shape/dtype
@@ -73,7 +74,7 @@ class World:
     role: str
     """"trainer" or "generator"."""
     rank: int
-    """torchrun rank; the trainer's default-group rank on trainer ranks."""
+    """torchrun rank (also the default-group rank on trainer ranks; 0 there on the generator)."""
     trainer_ranks: int
     device: torch.device
     store: dist.Store
@@ -92,8 +93,8 @@ def init_world(device_type: str) -> World:
     The trainer ranks' default process group spans the trainer ranks only: the
     Trainer then reuses it (``init_process_group`` keeps an existing group), so
     its meshes, FSDP and every default-group collective exclude the generator
-    without a line of trainer code knowing. The generator rank joins no
-    default group (vLLM makes its own one-rank group when the engine starts).
+    without a line of trainer code knowing. The generator rank's default group
+    is itself alone; the vLLM engine builds its groups on it.
     """
     assert not dist.is_initialized(), "init_world must create the process groups"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -107,11 +108,16 @@ def init_world(device_type: str) -> World:
     if cuda:
         torch.cuda.set_device(device)
     role = "generator" if rank == trainers else "trainer"
-    if role == "trainer":
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", store=dist.PrefixStore(f"{_PREFIX}/trainer", store),
-            rank=rank, world_size=trainers, device_id=device if cuda else None,
-        )
+    # Trainer ranks: a default group of the trainer ranks. The generator: a default
+    # group of its own, which vLLM then reuses. Left to vLLM, its one-rank
+    # init_process_group("tcp://...") would, under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=1), connect as a client to a store nobody
+    # serves and wait until its timeout (seen on 2 H200s).
+    group_rank, group_size = (rank, trainers) if role == "trainer" else (0, 1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.PrefixStore(f"{_PREFIX}/{role}", store),
+        rank=group_rank, world_size=group_size, device_id=device if cuda else None,
+    )
     pair = None
     if rank in (0, trainers):
         pair_store = dist.PrefixStore(f"{_PREFIX}/pair", store)
@@ -243,10 +249,12 @@ class NcclSender:
     its plan (a plan error raises here, with the generator's message).
     ``bucket_bytes`` overrides ``config.bucket_mb`` (tests use a few KiB to get
     many buckets out of a tiny model); it may be changed between syncs.
+    ``timeout_s`` bounds the wait for the generator's plan (its engine starts
+    meanwhile); None waits as long as it takes.
     """
 
     def __init__(self, config: WeightSyncConfig, *, reference: dict[str, torch.Tensor], world: World,
-                 name: str = "weights", bucket_bytes: int | None = None):
+                 name: str = "weights", bucket_bytes: int | None = None, timeout_s: float | None = None):
         assert world.role == "trainer"
         self.config, self.world = config, world
         self.ws = WeightSync(config, reference=reference)
@@ -260,7 +268,10 @@ class NcclSender:
                 "keys": [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in reference.items()],
                 "aliases": self.ws.aliases,
             }))
-        reply = json.loads(_get(self.store, "plan", None))
+        reply = _get(self.store, "plan", timeout_s)
+        if reply is None:
+            raise RuntimeError(f"weight_sync: no plan from the generator within {timeout_s} s (did it start?)")
+        reply = json.loads(reply)
         if "error" in reply:
             raise ValueError(f"weight_sync: the generator rejected the plan: {reply['error']}")
         self.layout = {
