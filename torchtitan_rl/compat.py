@@ -81,26 +81,20 @@ def build_llm_engine(
 
 
 def _keep_default_group_on_engine_shutdown() -> None:
-    """An in-process engine's shutdown must not take the trainer's process group.
+    """An in-process engine's shutdown must not take groups others still use.
 
-    vLLM's teardown ends with ``torch.distributed.destroy_process_group()``,
-    which destroys the default group, the trainer's, whenever an engine is
-    garbage-collected. Tear down only vLLM's own groups; a later engine in
-    this process reuses the default group.
+    vLLM's teardown destroys its model-parallel groups and then the default
+    process group. Both are process-global: the default group is the
+    trainer's, and the model-parallel groups serve every engine alive in this
+    process. Keep them for the life of the process; a later engine reuses them.
     """
     import vllm.distributed.parallel_state as ps
 
-    if getattr(ps, "_torchtitan_rl_keeps_default_group", False):
+    if getattr(ps, "_torchtitan_rl_keeps_groups", False):
         return
-
-    def destroy_distributed_environment():
-        if ps._WORLD:
-            ps._WORLD.destroy()
-        ps._WORLD = None
-        ps._NODE_COUNT = None
-
-    ps.destroy_distributed_environment = destroy_distributed_environment
-    ps._torchtitan_rl_keeps_default_group = True
+    ps.destroy_model_parallel = lambda: None
+    ps.destroy_distributed_environment = lambda: None
+    ps._torchtitan_rl_keeps_groups = True
 
 
 @contextlib.contextmanager

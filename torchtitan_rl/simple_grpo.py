@@ -45,6 +45,11 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.trainer.trainer import TrainBatch
     from torchtitan_rl.weight_sync import WeightSync
 
+    if cfg.weight_sync.transport != "inplace":
+        raise ValueError(
+            f"weight_sync.transport: the GRPO loop runs colocated ('inplace'); '{cfg.weight_sync.transport}' "
+            "is the transport for a generator on its own GPU (weight_sync/nccl.py, scripts/bench_nccl_sync.py)"
+        )
     started = time.perf_counter()
     out = Path(cfg.job.output_dir)
     task = build_task(cfg.grpo.task)

@@ -79,3 +79,16 @@ def test_standalone_rollouts_from_a_local_hf_checkpoint(tmp_path):
     )
     assert gen.weight_version == 0
     assert max_logprob_error(gen.generate(PROMPTS, n=2, seed=0), model) < LOGPROB_ATOL
+
+
+def test_generate_during_a_sync_waits_for_it_even_without_a_wait_budget(unsynced):
+    """The gate: a rollout never mixes two weight versions, and never fails for a sync in flight."""
+    unsynced.config.wait_for_weights_s = 0.0
+    version = unsynced.weight_version
+    assert version is not None
+    unsynced.begin_sync()
+    threading.Timer(0.5, lambda: unsynced.finish_sync(version + 1)).start()
+    started = time.monotonic()
+    rollouts = unsynced.generate(PROMPTS, n=1, seed=2)
+    assert time.monotonic() - started >= 0.4
+    assert rollouts.weight_version == version + 1

@@ -112,6 +112,7 @@ class Generator:
         with self._cond:
             self._syncing = False
             self._version = None
+            self._cond.notify_all()
 
     def finish_sync(self, version: int) -> None:
         # KV blocks cached for earlier prompts hold keys/values of the old weights.
@@ -124,6 +125,10 @@ class Generator:
     # -- rollouts -------------------------------------------------------------
     def _wait_for_weights(self) -> int:
         with self._cond:
+            # A sync in flight is always waited out (the gate): it ends by
+            # publishing a version or, if it fails, by withdrawing the old one.
+            self._cond.wait_for(lambda: not self._syncing)
+            # No weights at all: wait only as long as configured.
             ok = self._cond.wait_for(
                 lambda: self._version is not None and not self._syncing,
                 timeout=self.config.wait_for_weights_s,
