@@ -31,18 +31,13 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     from torchtitan_rl.generator.generator import Generator
     from torchtitan_rl.grpo import build_task
     from torchtitan_rl.grpo.batch import pack_rollouts
-    from torchtitan_rl.models.qwen3 import resolve_shape
-    from torchtitan_rl.simple_grpo import _device
+    from torchtitan_rl.simple_grpo import run_device, run_shape
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.weight_sync import WeightSync
 
     task = build_task(cfg.grpo.task)
-    device = _device(cfg.job.device)
-    shape = resolve_shape(
-        flavor=cfg.model.flavor, hf_checkpoint=cfg.model.hf_checkpoint,
-        vocab_size=cfg.model.vocab_size or (task.vocab_size if cfg.model.flavor == "tiny" else 0),
-        max_seq_len=cfg.model.max_seq_len,
-    )
+    device = run_device(cfg.job.device)
+    shape = run_shape(cfg, task)
     bi = cfg.batch_invariant_mode
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
                       device=device, output_dir=out_dir, batch_invariant=bi)

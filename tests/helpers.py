@@ -17,6 +17,15 @@ PROMPTS = [[1, 4, 5, 6, 14], [1, 7, 7, 2, 14], [1, 13, 4, 9, 14]]
 LOGPROB_ATOL = 2e-2
 
 
+def free_port() -> int:
+    """A free local TCP port for a torchrun rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def tiny_shape() -> Qwen3Shape:
     return resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
 

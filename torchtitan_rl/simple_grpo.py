@@ -40,7 +40,6 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.grpo import build_task, group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.metrics import MetricsLogger
-    from torchtitan_rl.models.qwen3 import resolve_shape
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.trainer.trainer import TrainBatch
     from torchtitan_rl.weight_sync import WeightSync
@@ -53,15 +52,8 @@ def run(cfg: JobConfig) -> list[dict]:
     started = time.perf_counter()
     out = Path(cfg.job.output_dir)
     task = build_task(cfg.grpo.task)
-    device = _device(cfg.job.device)
-    shape = resolve_shape(
-        flavor=cfg.model.flavor,
-        hf_checkpoint=cfg.model.hf_checkpoint,
-        vocab_size=cfg.model.vocab_size or (task.vocab_size if cfg.model.flavor == "tiny" else 0),
-        max_seq_len=cfg.model.max_seq_len,
-    )
-    if shape.vocab_size < task.vocab_size:
-        raise ValueError(f"model.vocab_size: {shape.vocab_size} < the task's {task.vocab_size}")
+    device = run_device(cfg.job.device)
+    shape = run_shape(cfg, task)
 
     def build_trainer() -> Trainer:
         return Trainer(
@@ -191,7 +183,23 @@ def run(cfg: JobConfig) -> list[dict]:
             generator.close()  # now, not at a garbage collection in the middle of something else
 
 
-def _device(name: str):
+def run_shape(cfg: JobConfig, task):
+    """The run's model shape; the tiny flavor takes the task tokenizer's vocabulary."""
+    from torchtitan_rl.models.qwen3 import resolve_shape
+
+    shape = resolve_shape(
+        flavor=cfg.model.flavor,
+        hf_checkpoint=cfg.model.hf_checkpoint,
+        vocab_size=cfg.model.vocab_size or (task.vocab_size if cfg.model.flavor == "tiny" else 0),
+        max_seq_len=cfg.model.max_seq_len,
+    )
+    if shape.vocab_size < task.vocab_size:
+        raise ValueError(f"model.vocab_size: {shape.vocab_size} < the task's {task.vocab_size}")
+    return shape
+
+
+def run_device(name: str):
+    """job.device as a torch.device (this rank's GPU under torchrun)."""
     import torch
 
     if name == "auto":

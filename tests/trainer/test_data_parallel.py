@@ -1,7 +1,6 @@
 """Two processes under torchrun (gloo, CPU): FSDP and TP give the single-process step."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +10,13 @@ import torch
 
 from torchtitan_rl.config.job_config import GRPOConfig
 
+from tests.helpers import free_port
+
 from .dp_worker import SPLITS
 from .helpers import make_batch
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +29,7 @@ def two_ranks(tmp_path_factory):
     )
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(_free_port()),
+        "--master-port", str(free_port()),
         str(Path(__file__).with_name("dp_worker.py")), str(folder / "batch.pt"), str(folder),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -2,22 +2,16 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import LOGPROB_ATOL
+from tests.helpers import LOGPROB_ATOL, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +20,7 @@ def run(tmp_path_factory) -> tuple[dict, dict]:
     folder = tmp_path_factory.mktemp("nccl")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-        "--master-port", str(_free_port()), str(Path(__file__).with_name("nccl_worker.py")), str(folder),
+        "--master-port", str(free_port()), str(Path(__file__).with_name("nccl_worker.py")), str(folder),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -50,7 +50,8 @@ class WeightSync:
     ``reference`` is the trainer's state dict at startup: it fixes the key
     order, shapes and tied keys that every later ``sync`` must match. With
     LoRA in adapter mode the first sync moves everything and later ones only
-    the adapter tensors, as one flat buffer; in merged mode every sync moves
+    the adapter tensors (in the generator they are views of one flat buffer,
+    written by one fused multi-tensor copy); in merged mode every sync moves
     ``W + scale * B @ A`` computed from the trainer's untouched base.
     """
 
@@ -74,7 +75,6 @@ class WeightSync:
         self.base_synced = False
         """Adapter mode: the base went over once in this process; later syncs move adapters only."""
         self.plan: SyncPlan | None = None
-        self.flat_adapter: torch.Tensor | None = None
         if generator is not None:
             model = generator.model
             self.plan = build_plan(
@@ -85,28 +85,12 @@ class WeightSync:
             )
             for tensor, value in self.plan.constants.values():
                 tensor.fill_(value)
-            self.flat_adapter = self._flat_view(self.adapter_keys)
         self.sizes = {k: reference[k].numel() * reference[k].element_size() for k in self.keys}
         self._moved: dict[str, tuple[weakref.ref, int]] = {}
         """Frozen tensors as they were when last moved: (the tensor, its version counter)."""
 
     def _source(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return merged_state(state, self.lora) if self.lora is not None and self.lora.sync == "merged" else state
-
-    def _flat_view(self, keys: list[str]) -> torch.Tensor | None:
-        """One view over the destinations of ``keys`` if they tile one buffer in order."""
-        if not keys:
-            return None
-        dests = {e.source: e.dest for e in self.plan.entries}
-        first = dests[keys[0]]
-        offset = first.storage_offset()
-        for k in keys:
-            d = dests[k]
-            if not d.is_contiguous() or d.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
-                    or d.storage_offset() != offset:
-                return None
-            offset += d.numel()
-        return first.as_strided((offset - first.storage_offset(),), (1,), first.storage_offset())
 
     def _buckets(self, keys: list[str]) -> list[list[str]]:
         """Key groups of at most bucket_mb (trainer-side bytes); same on every rank."""
@@ -170,10 +154,7 @@ class WeightSync:
         if gen is not None:
             gen.begin_sync()
         try:
-            if keys is self.adapter_keys and self.flat_adapter is not None:
-                verified = self._move_flat(state, keys, version)
-            else:
-                verified = self._move(state, keys, version)
+            verified = self._move(state, keys, version)
             if gen is not None:
                 verified += verify_constants(self.plan.constants)
         except BaseException:
@@ -216,17 +197,6 @@ class WeightSync:
             torch._foreach_copy_(dests, [s.view(d.shape) for s, d in zip(sources, dests)])
             verified += _verify(bucket, sources, dests, check)
         return verified
-
-    def _move_flat(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
-        """The adapter as one flat buffer: one cast-and-copy (what a wire transport would send)."""
-        sources = [_full(state[k]) for k in keys]
-        if self.plan is None:
-            return 0
-        flat = torch.cat([s.reshape(-1).to(self.flat_adapter.dtype) for s in sources])
-        self.flat_adapter.copy_(flat)
-        entries = {e.source: e for e in self.plan.entries}
-        check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
-        return _verify(keys, sources, [entries[k].dest for k in keys], check)
 
 
 def _verify(keys, sources, dests, check: set[str]) -> int:
