@@ -76,3 +76,23 @@ def test_untied_trainer_into_tied_generator_is_refused():
     sources["lm_head.weight"] = sources["tok_embeddings.weight"].detach().clone()
     with pytest.raises(ValueError, match="tie different tensors"):
         build_plan(sources=sources, destinations=dests, generator_tensors=gen_tensors, constants={})
+
+
+def test_tensors_sharing_one_flat_buffer_are_each_checked():
+    """LoRA adapters in the generator are views of one buffer: a missing one still shows."""
+    from torchtitan_rl.config import LoRAConfig
+    from torchtitan_rl.models.lora import apply_lora
+
+    lora = LoRAConfig(rank=2)
+    src, gen = trainer_model(seed=0), trainer_model(seed=1)
+    apply_lora(src, lora)
+    apply_lora(gen, lora, flat=True, train=False)
+    sources = native_state(src)
+    dests = sync_targets(gen, tiny_shape())
+    plan = build_plan(sources=sources, destinations=dests, generator_tensors=all_tensors(gen), constants={})
+    assert any(e.source.endswith("lora_b") for e in plan.entries)
+    missing = "layers.1.feed_forward.w3.lora_b"
+    sources.pop(missing)
+    dests.pop(missing)
+    with pytest.raises(ValueError, match=rf"unwritten: \['{missing}'\]"):
+        build_plan(sources=sources, destinations=dests, generator_tensors=all_tensors(gen), constants={})

@@ -133,20 +133,22 @@ def _prove_coverage(
     for name, view in writes:
         by_storage.setdefault(view.untyped_storage().data_ptr(), []).append((name, view))
 
-    unwritten, twice, seen_storages = [], [], set()
+    # Write counts per generator storage, on a CPU int8 copy of the layout
+    # (same strides, no data read). Several tensors may share one storage:
+    # tied weights, or LoRA adapters that are views of one flat buffer.
+    counts: dict[int, torch.Tensor] = {}
+    unwritten, twice = [], []
     for name, tensor in generator_tensors.items():
         ptr = tensor.untyped_storage().data_ptr()
-        if ptr in seen_storages:
-            continue  # tied: the same memory under a second name
-        seen_storages.add(ptr)
-        # Counting on a CPU int8 copy of the layout: same strides, no data read.
-        count = torch.zeros(tensor.untyped_storage().nbytes() // tensor.element_size(), dtype=torch.int8)
-        for _, view in by_storage.pop(ptr, []):
-            count.as_strided(view.shape, view.stride(), view.storage_offset()).add_(1)
-        region = count.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+        if ptr not in counts:
+            count = torch.zeros(tensor.untyped_storage().nbytes() // tensor.element_size(), dtype=torch.int8)
+            for _, view in by_storage.pop(ptr, []):
+                count.as_strided(view.shape, view.stride(), view.storage_offset()).add_(1)
+            counts[ptr] = count
+        region = counts[ptr].as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
         if bool((region == 0).any()):
             unwritten.append(name)
-        if bool((count > 1).any()):
+        if bool((region > 1).any()):
             twice.append(name)
     stray = [name for views in by_storage.values() for name, _ in views]
     problems = []
