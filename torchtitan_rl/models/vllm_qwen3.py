@@ -66,14 +66,18 @@ class PagedAttention(nn.Module):
         )
         return out_TD[: B * L].view(B, L, N, H)
 
-    def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
+    def _metadata(self):
+        """This layer's attention metadata for the current forward (None when profiling)."""
         from vllm.forward_context import get_forward_context
 
+        md = get_forward_context().attn_metadata
+        return md.get(self.layer_name) if isinstance(md, dict) else None
+
+    def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
         from torchtitan_rl.models.batch_invariant import attend, expand_kv
 
         out = torch.zeros_like(q_TNH)
-        md = get_forward_context().attn_metadata
-        md = md.get(self.layer_name) if isinstance(md, dict) else None
+        md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return out
         T = md.num_actual_tokens
@@ -103,13 +107,10 @@ class PagedAttention(nn.Module):
         return out
 
     def _batch_invariant_cuda(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
-        from vllm.forward_context import get_forward_context
-
         from torchtitan_rl.models.batch_invariant import attend_mm
 
         out = torch.zeros_like(q_TNH)
-        md = get_forward_context().attn_metadata
-        md = md.get(self.layer_name) if isinstance(md, dict) else None
+        md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return out
         plan = _bi_plan(md, max_len=self.bi_max_len, block_size=self.block_size)
