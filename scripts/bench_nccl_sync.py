@@ -45,13 +45,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import BENCHMARKS_MD, synchronize, table, write_section  # noqa: E402
 
-from torchtitan_rl import compat  # noqa: E402,F401  (before torchtitan)
+from torchtitan_rl import compat  # noqa: E402  (import before torchtitan)
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig  # noqa: E402
 from torchtitan_rl.config.job_config import TrainerConfig  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
 from torchtitan_rl.models.qwen3 import build_titan_model, resolve_shape  # noqa: E402
 from torchtitan_rl.weight_sync.nccl import (  # noqa: E402
-    NcclReceiver, NcclSender, _broadcast, _get, init_world, vllm_device,
+    NcclReceiver, NcclSender, _broadcast, _get, init_world,
 )
 
 RAY_STUB = Path(__file__).resolve().parent / "gpu" / "stubs"
@@ -245,7 +245,7 @@ def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
                           max_seq_len=args.max_seq_len)
     cuda = world.device.type == "cuda"
     t = time.perf_counter()
-    with vllm_device(world.device):
+    with compat.vllm_device(world.device):
         gen = Generator(
             GeneratorConfig(max_model_len=args.max_seq_len, max_num_seqs=64, enforce_eager=True,
                             gpu_memory_utilization=0.15, wait_for_weights_s=60.0),
@@ -311,7 +311,7 @@ def generator_vllm(world, flavor: str, args, workdir: Path) -> None:
         (model_dir / "config.json").write_text(
             json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]})
         )
-        with vllm_device(world.device):
+        with compat.vllm_device(world.device):
             engine = LLMEngine.from_engine_args(EngineArgs(
                 model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=128, max_num_seqs=8,
                 enforce_eager=True, seed=0, skip_tokenizer_init=True, gpu_memory_utilization=0.05,

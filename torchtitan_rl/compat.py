@@ -181,3 +181,31 @@ def enable_batch_invariant_kernels() -> None:
     its persistent matmul directly (models/batch_invariant.py).
     """
     batch_invariant_ops().enable_batch_invariant_mode()
+
+
+@contextlib.contextmanager
+def vllm_device(device: torch.device):
+    """Build an in-process vLLM engine on ``device`` instead of cuda:0.
+
+    vLLM's in-process executor (UniProcExecutor, vLLM 0.26 and 0.32) takes the
+    device index from ``device_config.device``, which drops the index, so it
+    always picks cuda:0: the trainer's GPU here. This keeps the generator on
+    its own GPU without hiding the others (CUDA_VISIBLE_DEVICES), which NCCL's
+    peer-to-peer path may need. Version-specific, like compat.py.
+    """
+    if device.type != "cuda" or not device.index:
+        yield
+        return
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    real = UniProcExecutor._distributed_args
+
+    def distributed_args(self):
+        init_method, rank, _ = real(self)
+        return init_method, rank, device.index
+
+    UniProcExecutor._distributed_args = distributed_args
+    try:
+        yield
+    finally:
+        UniProcExecutor._distributed_args = real
