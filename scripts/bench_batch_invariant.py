@@ -13,11 +13,8 @@ generator eager (no CUDA graphs), default mode as the config says.
 import argparse
 import dataclasses
 import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -85,7 +82,7 @@ def main() -> None:
 
     import torch
 
-    from bench_common import table, write_section
+    from bench_common import run_modes, table, write_section
     from torchtitan_rl.config import load_toml
 
     base = load_toml(args.config)
@@ -95,27 +92,13 @@ def main() -> None:
         sampling = dataclasses.replace(base.generator.sampling, max_tokens=args.max_tokens)
         base = dataclasses.replace(base, generator=dataclasses.replace(base.generator, sampling=sampling))
     device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
-    if args.worker_mode:
-        cfg = dataclasses.replace(base, batch_invariant_mode=args.worker_mode == "bi")
-        res = measure(cfg, repeats=args.repeats, out_dir=Path(args.output_dir) / args.worker_mode)
-        Path(args.worker_out).write_text(json.dumps(res))
-        sys.stdout.flush()
-        os._exit(0)  # skip vLLM's in-process engine teardown
-    results = {}
-    for mode in ("default", "bi"):
-        if device == "cpu":
-            cfg = dataclasses.replace(base, batch_invariant_mode=mode == "bi")
-            results[mode] = measure(cfg, repeats=args.repeats, out_dir=Path(args.output_dir) / mode)
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "res.json"
-            cmd = [sys.executable, __file__, "--config", args.config, "--repeats", str(args.repeats),
-                   "--output-dir", args.output_dir, "--worker-mode", mode, "--worker-out", str(out)]
-            cmd += ["--prompts-per-step", str(args.prompts_per_step)] if args.prompts_per_step else []
-            cmd += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
-            if subprocess.run(cmd).returncode != 0 or not out.exists():
-                sys.exit(f"the {mode} run failed")
-            results[mode] = json.loads(out.read_text())
+    results = run_modes(
+        ("default", "bi"), device=device, worker_mode=args.worker_mode, worker_out=args.worker_out,
+        compute=lambda mode: measure(
+            dataclasses.replace(base, batch_invariant_mode=mode == "bi"),
+            repeats=args.repeats, out_dir=Path(args.output_dir) / mode,
+        ),
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     d, b = results["default"], results["bi"]

@@ -58,6 +58,34 @@ def write_section(name: str, *, device: str, body: str, path: Path = BENCHMARKS_
     print(section)
 
 
+def run_modes(modes: tuple[str, ...], *, device: str, worker_mode: str | None, worker_out: str | None, compute):
+    """``compute(mode)`` for each mode: in this process on CPU, in a process of
+    its own on CUDA, where vLLM's batch-invariant kernels, once on, are on for
+    the whole process. A worker (this script re-run with --worker-mode/--worker-out)
+    writes its result as JSON and exits without vLLM's engine teardown."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    if worker_mode:
+        Path(worker_out).write_text(json.dumps(compute(worker_mode)))
+        sys.stdout.flush()
+        os._exit(0)
+    results = {}
+    for mode in modes:
+        if device == "cpu":
+            results[mode] = compute(mode)
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            cmd = [sys.executable, *sys.argv, "--worker-mode", mode, "--worker-out", str(out)]
+            if subprocess.run(cmd).returncode != 0 or not out.exists():
+                raise SystemExit(f"FAIL: the {mode} run failed")
+            results[mode] = json.loads(out.read_text())
+    return results
+
+
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -13,12 +13,8 @@ process-wide).
 
 import argparse
 import dataclasses
-import json
-import os
 import random
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,32 +74,20 @@ def main() -> int:
     import torch
 
     from torchtitan_rl.config import load_toml, validate
-    from bench_common import table, write_section
+    from bench_common import run_modes, table, write_section
 
     base = load_toml(args.config)
     validate(base)
     device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
-    if args.worker_mode:
-        cfg = dataclasses.replace(base, batch_invariant_mode=args.worker_mode == "bi")
-        rows = compare(cfg, batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / args.worker_mode)
-        Path(args.worker_out).write_text(json.dumps(rows))
-        sys.stdout.flush()
-        os._exit(0)  # skip vLLM's in-process engine teardown
-    rows = []
     # Default first: CPU batch-invariant mode pins torch to one thread for the process.
-    for mode in ("default", "bi"):
-        if device == "cpu":
-            cfg = dataclasses.replace(base, batch_invariant_mode=mode == "bi")
-            rows += compare(cfg, batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / mode)
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rows.json"
-            cmd = [sys.executable, __file__, "--config", args.config, "--output-dir", args.output_dir,
-                   "--batch-sizes", *map(str, args.batch_sizes), "--worker-mode", mode, "--worker-out", str(out)]
-            if subprocess.run(cmd).returncode != 0 or not out.exists():
-                print(f"FAIL: the {mode} run failed")
-                return 1
-            rows += json.loads(out.read_text())
+    results = run_modes(
+        ("default", "bi"), device=device, worker_mode=args.worker_mode, worker_out=args.worker_out,
+        compute=lambda mode: compare(
+            dataclasses.replace(base, batch_invariant_mode=mode == "bi"),
+            batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / mode,
+        ),
+    )
+    rows = results["default"] + results["bi"]
     body = table(["mode", "prompts in batch", "tokens compared", "tokens different", "max abs diff"], rows)
     body += (
         f"\nTrainer and generator built from {Path(args.config).name} (random weights, one sync), one sample per "
