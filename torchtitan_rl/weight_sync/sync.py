@@ -33,15 +33,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _needs_gather(t: torch.Tensor) -> bool:
+    """Decided from the layout, which every rank shares, so all ranks agree on
+    whether to join the gather."""
+    return isinstance(t, DTensor) and t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor; gathers (collectively) only when shards live elsewhere."""
     if not isinstance(t, DTensor):
         return t
-    # Decided from the layout, which every rank shares, so all ranks agree on
-    # whether to join the gather.
-    if t.device_mesh.size() == 1 or all(p.is_replicate() for p in t.placements):
-        return t.to_local()
-    return t.full_tensor()
+    return t.full_tensor() if _needs_gather(t) else t.to_local()
 
 
 class WeightSync:
@@ -86,6 +88,8 @@ class WeightSync:
             for tensor, value in self.plan.constants.values():
                 tensor.fill_(value)
         self.sizes = {k: reference[k].numel() * reference[k].element_size() for k in self.keys}
+        self.gathered = {k for k in self.keys if _needs_gather(reference[k])}
+        """Keys whose shards live on several ranks (the layout is fixed at startup)."""
         self._moved: dict[str, tuple[weakref.ref, int]] = {}
         """Frozen tensors as they were when last moved: (the tensor, its version counter)."""
 
@@ -190,7 +194,7 @@ class WeightSync:
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
         verified = 0
         for bucket in self._buckets(keys):
-            sources = [_full(state[k]) for k in bucket]
+            sources = [state[k].full_tensor() if k in self.gathered else _local(state[k]) for k in bucket]
             if self.plan is None:
                 continue
             dests = [entries[k].dest for k in bucket]
