@@ -94,6 +94,8 @@ def merged_state(state: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str
     Computed from the trainer's untouched base, in fp32; sharded DTensors are
     gathered (collectively, the same keys in the same order on every rank).
     """
+    from torchtitan_rl.weight_sync.dtensor import full  # lazy: weight_sync imports this module
+
     scale = config.alpha / config.rank
     merged = {}
     for name, t in state.items():
@@ -101,14 +103,9 @@ def merged_state(state: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str
             continue
         prefix = name[: -len(".weight")] if name.endswith(".weight") else None
         if prefix is not None and f"{prefix}.lora_a" in state:
-            w, a, b = (_full(state[k]) for k in (name, f"{prefix}.lora_a", f"{prefix}.lora_b"))
+            w, a, b = (full(state[k]) for k in (name, f"{prefix}.lora_a", f"{prefix}.lora_b"))
             merged[name] = w.float() + scale * (b.float() @ a.float())
         else:
             merged[name] = t
     return merged
 
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -56,7 +56,8 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
-from torchtitan_rl.weight_sync.sync import SyncStats, WeightSync, _full, _local
+from torchtitan_rl.weight_sync.dtensor import full as _full, local as _local
+from torchtitan_rl.weight_sync.sync import SyncStats, WeightSync
 from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
 _ALIGN = 16

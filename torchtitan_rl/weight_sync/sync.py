@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.config import LoRAConfig, WeightSyncConfig
 from torchtitan_rl.models.lora import is_lora_key, merged_state
+from torchtitan_rl.weight_sync.dtensor import local as _local, needs_gather as _needs_gather
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
 from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
 
@@ -27,23 +28,6 @@ class SyncStats:
     seconds: float
     bytes_written: int
     tensors_verified: int
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _needs_gather(t: torch.Tensor) -> bool:
-    """Decided from the layout, which every rank shares, so all ranks agree on
-    whether to join the gather."""
-    return isinstance(t, DTensor) and t.device_mesh.size() > 1 and not all(p.is_replicate() for p in t.placements)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor; gathers (collectively) only when shards live elsewhere."""
-    if not isinstance(t, DTensor):
-        return t
-    return t.full_tensor() if _needs_gather(t) else t.to_local()
 
 
 class WeightSync:
