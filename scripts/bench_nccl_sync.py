@@ -9,8 +9,9 @@ cuda:1; weight_sync/nccl.py's init_world sets that up. Per model shape
 1. correctness on this layout: sync, sample, score the same tokens with the
    trainer; perturb every weight, sync again, sample and score again (and
    score the new rollouts with the old weights: they must not fit);
-2. ours (NcclSender -> NcclReceiver): validation, header, flat double-buffered
-   bf16 buckets, checksums, the generator's answer; timed on the trainer from
+2. ours (NcclSender -> NcclReceiver): names/shapes check, header, flat
+   double-buffered bf16 buckets with the NaN/inf scan overlapped (its verdict
+   follows the first two buckets), checksums, the generator's answer; timed on the trainer from
    the call to its return (the generator has published the version by then);
 3. a raw NCCL broadcast of the same bytes (one flat bf16 buffer, trainer ->
    generator, same two-rank group), with the same store handshake as ours
@@ -162,7 +163,7 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
         sender.ws.validate(state, [k for k in keys if state[k].requires_grad])
         synchronize(device.type)
         times.append(time.perf_counter() - t)
-    res["times"]["ours: validation alone (part of every sync above)"] = median(times[args.warmup:])
+    res["times"]["ours: validation alone (overlapped with the first buckets above)"] = median(times[args.warmup:])
 
     # 3. A raw broadcast of the same bytes over the same group.
     flat = torch.randn(res["bytes"] // 2, device=device).to(torch.bfloat16)
@@ -380,9 +381,10 @@ def report(results: list[dict], args, device: str) -> None:
         f"{args.vllm_repeats} after {args.vllm_warmup}). Times are end to end on the trainer: from the sync call "
         "until the generator's answer arrived (it has published the version). Bytes = the steady-state wire "
         "bytes of ours (bf16 parameters; the unchanged fp32 RoPE buffers move on the first sync only). Ours = "
-        "validation (names, shapes, one NaN/inf scan of every fp32 master) + header through the store + flat "
-        "bf16 buckets, two send and two receive buffers (cast in the pack copy, one _foreach_copy_ unpack into "
-        "the plan's views) + float64 checksums of the sampled tensors + the generator's answer through the "
+        "names/shapes check + header through the store + flat bf16 buckets, two send and two receive buffers "
+        "(cast in the pack copy, one _foreach_copy_ unpack into the plan's views), with the NaN/inf scan of "
+        "every fp32 master on a side stream and its verdict after the first two buckets (the generator unpacks "
+        "nothing before it) + float64 checksums of the sampled tensors + the generator's answer through the "
         "store. 'vs raw (handshake)' = against one broadcast of the same bytes with the same store header and "
         "answer; 'vs wire' = against back-to-back broadcasts with no handshake.\n"
     )

@@ -18,6 +18,13 @@ export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m > "$OUT/nccl_topo.txt" 2>&1; cat "$OUT/nccl_topo.txt"
 python3 -c 'import torch; print("devices", torch.cuda.device_count(), "p2p 0->1", torch.cuda.can_device_access_peer(0, 1))'
+# The sync's NaN/inf scan is an inf-norm: it must propagate NaN on this GPU (it does on CPU).
+python3 -c 'import torch
+for dt in (torch.float32, torch.bfloat16):
+    t = torch.randn(1 << 20, device="cuda").to(dt); t[12345] = float("nan"); u = t.clone(); u[7] = float("-inf")
+    n = torch._foreach_norm([t, u, t[:4096].clone()], ord=float("inf"))
+    assert n[0].isnan() and n[1].isnan() | n[1].isinf() and n[2].isfinite(), (dt, n)
+print("inf-norm NaN/inf check: ok")' || exit 1
 start=$(date +%s)
 timeout ${NCCL_TIMEOUT_S:-330} python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29555 \
   scripts/bench_nccl_sync.py --flavors ${NCCL_FLAVORS:-0.6B 1.7B} --json "$OUT/nccl_sync.json" ${NCCL_ARGS:-} \

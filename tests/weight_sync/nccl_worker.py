@@ -6,8 +6,10 @@ out_dir/result.json, rank 2 out_dir/generator.json.
 
 1. sync version 1 (4 KiB buckets: many buckets, both buffers reused);
    the generator samples, the trainer scores the same tokens.
-2. a NaN in one shard on rank 1 only: both trainer ranks reject it, the
-   generator still serves version 1 and samples exactly what it did before.
+2. a NaN in one shard on rank 1 only: the first buckets go out while the
+   scan runs, its verdict rejects the sync on both trainer ranks and on the
+   generator, which wrote nothing: it still serves version 1 and samples
+   exactly what it did before.
 3. new weights, version 2, received on a background thread while the
    trainer holds the data back for 1 s; generate() is called once the sync
    has begun and must wait for it, then serve version 2.
@@ -57,10 +59,12 @@ def generator_main(world, out_dir: Path) -> None:
     r1 = gen.generate(PROMPTS, n=N, seed=1)
     put(world, "r1", r1.__dict__)
 
+    t0 = time.perf_counter()
+    rejected = receiver.receive()  # drains the buckets sent ahead of the verdict
     get(world, "rejected")
     record["after_reject"] = {
-        "version": gen.weight_version, "syncs": receiver.syncs,
-        "header_published": receiver.store.check([f"header/{receiver.syncs + 1}"]),
+        "version": gen.weight_version, "syncs": receiver.syncs, "rejected": rejected.rejected,
+        "written": rejected.bytes_written, "receive_s": time.perf_counter() - t0,
     }
     again = gen.generate(PROMPTS, n=N, seed=1)
     record["after_reject"]["same_completions"] = again.completion_ids == r1.completion_ids

@@ -138,7 +138,7 @@ def test_sampled_verification_covers_every_tensor_over_successive_syncs(generato
 
 
 def test_huge_but_finite_values_are_not_mistaken_for_nan(generator):
-    """The fast NaN scan is an L2 norm, which overflows at ~1e19: a second look decides."""
+    """The NaN scan is a max-|x| pass: huge finite values (an L2 norm would overflow) pass."""
     state = {k: v.detach().clone() for k, v in native_state(trainer_model(seed=12)).items()}
     state["norm.weight"].fill_(1e30)
     ws = WeightSync(WeightSyncConfig(), reference=state, generator=generator)

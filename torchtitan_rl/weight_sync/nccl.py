@@ -18,22 +18,30 @@ last rank holds the generator (vLLM in process, on its own device).
   between syncs, so no NCCL timeout runs while the trainer trains.
 
 One sync, trainer side (``NcclSender.sync``, called on every trainer rank):
-skip frozen tensors unchanged since they last moved, validate (names, shapes,
-NaN/inf) on every rank and send only when all agree; publish a header (version,
-which tensors, bucket size); then per bucket: gather the shards (every rank),
-cast them into one flat send buffer in plan order (rank 0), broadcast it. Two
-send buffers: bucket i+1 is gathered and packed while bucket i is in flight.
-A float64 checksum (sum, sum of |x|) of some tensors as cast (the same choice
-as ``verify``/``verify_samples``) follows the last bucket. The call returns
-once the generator has answered; a generator-side failure raises here too.
+skip frozen tensors unchanged since they last moved, check names and shapes
+(host only, the same on every rank: an error there sends nothing); publish a
+header (version, which tensors, bucket size); then per bucket: gather the
+shards (every rank), cast them into one flat send buffer in plan order (rank
+0), broadcast it. Two send buffers: bucket i+1 is gathered and packed while
+bucket i is in flight. The NaN/inf (and tie) scan of the fp32 masters runs on
+a side stream while the first two buckets are packed and sent, and its verdict
+(all-reduced over the trainer ranks) follows them: the generator has written
+nothing by then, so a rejected sync still leaves it on its previous weights,
+and the scan costs no time on the wire's critical path. A float64 checksum
+(sum, sum of |x|) of some tensors as cast (the same choice as
+``verify``/``verify_samples``) follows the last bucket. The call returns once
+the generator has answered; a rejected state dict raises ValueError (naming
+the tensors) on every trainer rank, a generator-side failure RuntimeError.
 
 Generator side (``NcclReceiver.receive``): wait for a header, gate the
 generator (``begin_sync``: generate() waits), post the receives of the first
-two buckets, and unpack each as it lands with one ``torch._foreach_copy_``
-into the plan's destination views while the next one arrives. Then compare
-the checksums with its own tensors, check the engine-owned constants, and
-only then publish the version (``finish_sync``). A failed check marks the
-generator unservable (``abort_sync``) rather than serving mixed weights.
+two buckets and the verdict; on a clean verdict unpack each bucket as it lands
+with one ``torch._foreach_copy_`` into the plan's destination views while the
+next one arrives (a rejected one is received and dropped, and the old version
+stays published). Then compare the checksums with its own tensors, check the
+engine-owned constants, and only then publish the version (``finish_sync``).
+A failed check marks the generator unservable (``abort_sync``) rather than
+serving mixed weights.
 
 Ordering on CUDA: the broadcasts run on the process group's NCCL stream, the
 packing/unpacking on the current stream. Each broadcast waits (an event the
@@ -62,6 +70,8 @@ from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
 _ALIGN = 16
 """Bytes; every tensor starts aligned in the flat buffers (vectorised copies, dtype views)."""
+_LEAD = 2
+"""Buckets sent before the validation verdict: the generator's two receive buffers hold them unwritten."""
 _CHECKSUM_CHUNK = 1 << 25
 """Elements converted to float64 at a time by a checksum (256 MiB)."""
 _PREFIX = "torchtitan_rl/weight_sync"
@@ -251,6 +261,7 @@ class NcclSender:
         }
         self.nbytes = {k: _aligned(s.numel() * d.itemsize) for k, (d, s) in self.layout.items()}
         self.buffers = _Buffers(world.device)
+        self._side = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
 
     @torch.no_grad()
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
@@ -258,7 +269,8 @@ class NcclSender:
         ws = self.ws
         unchanged = ws._unchanged(state, ws.keys)
         keys = [k for k in ws.keys if k not in unchanged]
-        self._validate(state, keys)  # raises on every trainer rank; nothing was sent
+        ws.check_structure(state)  # the same verdict on every trainer rank; nothing was sent
+        flags = self._scan(state, keys)
         self.syncs += 1
         n, limit = self.syncs, self.bucket_bytes
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
@@ -268,8 +280,11 @@ class NcclSender:
                 "version": version, "moved": "".join("1" if k in moved else "0" for k in ws.keys),
                 "bucket_bytes": limit, "verify": self.config.verify, "samples": self.config.verify_samples,
             }))
-        self._send(state, keys, check, limit)
+        self._send(state, keys, check, limit, flags)
         answer = _get(self.store, f"ack/{n}", None)
+        if answer == "rejected":
+            ws.raise_problems(flags, keys)  # every rank holds the reduced flags: all raise alike
+            raise AssertionError("the generator rejected a sync whose scan was clean")
         if answer != "ok":
             ws._moved.clear()  # the generator serves nothing now: the next sync moves everything
             raise RuntimeError(f"weight_sync: the generator failed sync {n} (version {version}): {answer}")
@@ -278,28 +293,37 @@ class NcclSender:
                 ws._moved[k] = (weakref.ref(state[k]), _local(state[k])._version)
         return SyncStats(version, time.perf_counter() - start, sum(self.nbytes[k] for k in keys), len(check))
 
-    def _validate(self, state: dict[str, torch.Tensor], keys: list[str]) -> None:
-        """WeightSync.validate on every trainer rank, then one flag all-reduced: all send or none."""
-        error = None
-        try:
-            self.ws.validate(state, keys)
-        except ValueError as e:
-            error = e
-        if dist.get_world_size() > 1:
-            flag = torch.tensor([error is not None], dtype=torch.uint8, device=self.world.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if error is None and bool(flag.item()):
-                raise ValueError("weight_sync: another trainer rank rejected the state dict; nothing was sent")
-        if error is not None:
-            raise error
+    def _scan(self, state: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+        """This rank's problem flags, queued on a side stream (CUDA) so that packing starts meanwhile."""
+        if self.world.device.type != "cuda":
+            return self.ws.problem_flags(state, keys)
+        current = torch.cuda.current_stream()
+        self._side.wait_stream(current)  # the scan sees the optimizer's last writes
+        with torch.cuda.stream(self._side):
+            return self.ws.problem_flags(state, keys)
 
-    def _send(self, state: dict[str, torch.Tensor], keys: list[str], check: set[str], limit: int) -> None:
+    def _verdict(self, flags: torch.Tensor):
+        """Reduce the flags over the trainer ranks; the sender broadcasts 1 if any is set."""
+        if self.world.device.type == "cuda":
+            # Also orders the next optimizer step after the scan's reads.
+            torch.cuda.current_stream().wait_stream(self._side)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if not self.world.sender:
+            return None
+        verdict = flags.amax(dim=0, keepdim=True) if flags.numel() else flags.new_zeros(1)
+        return _broadcast(self.world.pair, verdict, root=0), verdict  # keep it alive until sent
+
+    def _send(self, state: dict[str, torch.Tensor], keys: list[str], check: set[str], limit: int,
+              flags: torch.Tensor) -> None:
         buckets = _buckets(keys, self.nbytes, limit)
         sender = self.world.sender
         if sender:
             bufs = self.buffers.get(max(sum(self.nbytes[k] for k in b) for b in buckets) if buckets else 0)
-        works, sums = [None, None], []
+        works, sums, verdict = [None, None], [], None
         for i, bucket in enumerate(buckets):
+            if i == _LEAD:
+                verdict = self._verdict(flags)
             sources = [_full(state[k]) for k in bucket]  # gathers shards: collective on every trainer rank
             if not sender:
                 continue
@@ -311,7 +335,10 @@ class NcclSender:
             torch._foreach_copy_(views, sources)  # the cast to the generator's dtype happens in the copy
             works[slot] = _broadcast(self.world.pair, bufs[slot][:size], root=0)
             sums += [_checksum(v) for k, v in zip(bucket, views) if k in check]
+        if len(buckets) <= _LEAD:
+            verdict = self._verdict(flags)
         if sender:
+            works.append(verdict[0])
             if sums:
                 works.append(_broadcast(self.world.pair, torch.stack(sums), root=0))
             for w in works:
@@ -390,11 +417,13 @@ class NcclReceiver:
         check = pick_entries(keys, info["verify"], info["samples"], version)
         gen = self.generator
         with self.lock:
+            previous = gen.weight_version
             gen.begin_sync()
             self.syncing.set()
             try:
                 verified = self._receive(keys, check, info["bucket_bytes"])
-                verified += verify_constants(self.plan.constants)
+                if verified is not None:
+                    verified += verify_constants(self.plan.constants)
                 if self.world.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()  # every unpack has landed
             except BaseException as e:
@@ -403,13 +432,16 @@ class NcclReceiver:
                 self.syncs = n
                 self.store.set(f"ack/{n}", f"{type(e).__name__}: {e}")
                 raise
-            gen.finish_sync(version)
+            gen.finish_sync(version if verified is not None else previous)
             self.syncing.clear()
         self.syncs = n
-        self.store.set(f"ack/{n}", "ok")
+        self.store.set(f"ack/{n}", "ok" if verified is not None else "rejected")
+        if verified is None:  # the trainer raises the ValueError that names the tensors
+            return SyncStats(previous, time.perf_counter() - start, 0, 0, rejected=True)
         return SyncStats(version, time.perf_counter() - start, sum(self.nbytes[k] for k in keys), verified)
 
-    def _receive(self, keys: list[str], check: set[str], limit: int) -> int:
+    def _receive(self, keys: list[str], check: set[str], limit: int) -> int | None:
+        """Tensors checksummed; None if the trainer's verdict rejected the sync (nothing written)."""
         buckets = _buckets(keys, self.nbytes, limit)
         sizes = [sum(self.nbytes[k] for k in b) for b in buckets]
         bufs = self.buffers.get(max(sizes) if sizes else 0)
@@ -419,8 +451,20 @@ class NcclReceiver:
         def post(i: int) -> None:
             works[i] = _broadcast(pair, bufs[i % 2][: sizes[i]], root=0)
 
-        for i in range(min(2, len(buckets))):
+        lead = min(_LEAD, len(buckets))
+        for i in range(lead):
             post(i)
+        verdict = torch.zeros(1, dtype=torch.uint8, device=self.world.device)
+        _broadcast(pair, verdict, root=0).wait()
+        if verdict.item():  # one host sync; the buckets in flight are not unpacked
+            for i in range(lead, len(buckets)):
+                post(i)
+            if check:
+                _broadcast(pair, torch.empty(len(check & set(keys)), 2, dtype=torch.float64,
+                                             device=self.world.device), root=0).wait()
+            for w in works:
+                w.wait()
+            return None
         for i, bucket in enumerate(buckets):
             works[i].wait()
             views = _views(bufs[i % 2], bucket, self.layout, self.nbytes)

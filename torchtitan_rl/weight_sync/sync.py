@@ -28,6 +28,8 @@ class SyncStats:
     seconds: float
     bytes_written: int
     tensors_verified: int
+    rejected: bool = False
+    """The trainer's scan rejected the state dict; nothing was written (NCCL receiver)."""
 
 
 class WeightSync:
@@ -98,6 +100,14 @@ class WeightSync:
     def validate(self, state: dict[str, torch.Tensor], keys: list[str] | None = None) -> None:
         """Reject a state dict before anything is written; the error names the tensor."""
         keys = self.keys if keys is None else keys
+        self.check_structure(state)
+        flags = self.problem_flags(state, keys)
+        if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in keys):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a NaN in any rank's shard
+        self.raise_problems(flags, keys)  # the one host sync of a clean validation
+
+    def check_structure(self, state: dict[str, torch.Tensor]) -> None:
+        """Names and shapes: host only, and the same verdict on every rank (shapes are global)."""
         missing = [k for k in self.shapes if k not in state]
         extra = [k for k in state if k not in self.shapes]
         if missing or extra:
@@ -105,30 +115,39 @@ class WeightSync:
         bad = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in self.shapes.items() if state[k].shape != s]
         if bad:
             raise ValueError(f"weight_sync: wrong shape: {bad}")
+
+    def problem_flags(self, state: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+        """uint8 per key (non-finite) then per tied key (differs from its primary), on
+        the tensors' device and without a host sync: this rank's shards only.
+
+        One fused multi-tensor max-|x| pass (the inf-norm): it cannot overflow,
+        so only NaN (which it propagates, as clip_grad_norm_'s nonfinite check
+        relies on) and inf make it non-finite; no second look is needed.
+        """
+        device = _local(state[self.keys[0]]).device
+        parts = []
+        if keys:
+            norms = torch._foreach_norm([_local(state[k]) for k in keys], ord=float("inf"))
+            if len({n.dtype for n in norms}) > 1:
+                norms = [n.float() for n in norms]
+            parts.append(~torch.isfinite(torch.stack(norms)))
         for key, primary in self.aliases.items():
-            if _local(state[key]).data_ptr() != _local(state[primary]).data_ptr() and not torch.equal(
-                _local(state[key]), _local(state[primary])
-            ):
+            a, b = _local(state[key]), _local(state[primary])
+            same_storage = a.data_ptr() == b.data_ptr()
+            parts.append(torch.zeros(1, dtype=torch.bool, device=device) if same_storage else (a != b).any().view(1))
+        if not parts:
+            return torch.zeros(0, dtype=torch.uint8, device=device)
+        return torch.cat(parts).to(torch.uint8)
+
+    def raise_problems(self, flags: torch.Tensor, keys: list[str]) -> None:
+        """ValueError naming the flagged tensors (``flags`` from problem_flags, reduced over ranks)."""
+        bad = flags.tolist()
+        nonfinite = [k for k, b in zip(keys, bad) if b]
+        if nonfinite:
+            raise ValueError(f"weight_sync: non-finite values (NaN/inf) in {nonfinite}")
+        for (key, primary), b in zip(self.aliases.items(), bad[len(keys):]):
+            if b:
                 raise ValueError(f"weight_sync: {key} must equal its tied tensor {primary}")
-        if not keys:
-            return
-        # One fused L2-norm pass over the local shards (the fastest multi-tensor
-        # reduction on CPU and GPU): NaN and inf make the norm non-finite. A norm
-        # can also overflow on huge but finite values, so flagged tensors are
-        # checked again element by element before anything is rejected.
-        local = [_local(state[k]) for k in keys]
-        norms = torch._foreach_norm(local)
-        if len({n.dtype for n in norms}) > 1:
-            norms = [n.float() for n in norms]
-        bad = (~torch.isfinite(torch.stack(norms))).to(torch.uint8)
-        if bool(bad.any()):  # the one host sync of a clean validation
-            for i in bad.nonzero().flatten().tolist():
-                bad[i] = int(not bool(torch.isfinite(local[i]).all()))
-        if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in keys):
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # a NaN in any rank's shard
-        if bool(bad.any()):
-            names = [k for k, b in zip(keys, bad.tolist()) if b]
-            raise ValueError(f"weight_sync: non-finite values (NaN/inf) in {names}")
 
     @torch.no_grad()
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
@@ -164,14 +183,13 @@ class WeightSync:
         candidates = [k for k in keys if k in self._moved and not state[k].requires_grad]
         if not candidates:
             return set()
-        same = torch.tensor(
-            [self._moved[k][0]() is state[k] and self._moved[k][1] == _local(state[k])._version for k in candidates],
-            dtype=torch.uint8,
-            device=_local(state[candidates[0]]).device,  # NCCL reduces device tensors only
-        )
+        same = [self._moved[k][0]() is state[k] and self._moved[k][1] == _local(state[k])._version for k in candidates]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        return {k for k, s in zip(candidates, same.tolist()) if s}
+            device = _local(state[candidates[0]]).device  # NCCL reduces device tensors only
+            flags = torch.tensor(same, dtype=torch.uint8, device=device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            same = flags.tolist()
+        return {k for k, s in zip(candidates, same) if s}
 
     def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
