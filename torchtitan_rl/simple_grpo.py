@@ -2,7 +2,10 @@
 
 Each step: sync -> generate -> score -> advantages -> recompute logprobs ->
 loss + optimizer step -> log. Every rank runs this file (torchrun for more
-than one); rank 0 also holds the vLLM generator. Heavy imports stay inside
+than one). Where the vLLM generator runs is weight_sync.transport:
+"inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
+the last torchrun rank, its own device (generator/remote.py), the other
+ranks train. The step body is the same for both. Heavy imports stay inside
 ``run`` so that --help and config errors are instant.
 """
 
@@ -29,31 +32,39 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(cfg: JobConfig) -> list[dict]:
-    """Train; returns the per-step metrics (rank 0 has them all)."""
+    """Train; returns the per-step metrics (rank 0 has them all; the generator rank none)."""
     import random
 
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from torchtitan_rl.generator.generator import Generator
     from torchtitan_rl.grpo import build_task, group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.trainer.trainer import TrainBatch
-    from torchtitan_rl.weight_sync import WeightSync
 
-    if cfg.weight_sync.transport != "inplace":
-        raise ValueError(
-            f"weight_sync.transport: the GRPO loop runs colocated ('inplace'); '{cfg.weight_sync.transport}' "
-            "is the transport for a generator on its own GPU (weight_sync/nccl.py, scripts/bench_nccl_sync.py)"
-        )
     started = time.perf_counter()
     out = Path(cfg.job.output_dir)
     task = build_task(cfg.grpo.task)
     device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
+    world = None
+    if cfg.weight_sync.transport == "nccl":
+        import os
+
+        from torchtitan_rl.config import validate
+        from torchtitan_rl.generator.remote import serve
+        from torchtitan_rl.weight_sync import init_world
+
+        # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
+        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        # Before the Trainer, which then takes the trainer ranks' default group.
+        world = init_world(device.type)
+        if world.role == "generator":
+            serve(cfg, world=world, shape=shape, workdir=out)
+            return []
 
     def build_trainer() -> Trainer:
         return Trainer(
@@ -63,16 +74,25 @@ def run(cfg: JobConfig) -> list[dict]:
 
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
-    rank, world = dist.get_rank(), dist.get_world_size()
-    generator = None
+    rank = dist.get_rank()
+    P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+    if (P * G) % trainer.dp_size:
+        raise ValueError(
+            f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {trainer.dp_size} data-parallel ranks"
+        )
     if rank == 0:
         write_toml(cfg, out / "config.toml")
-        generator = Generator(
-            cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
-            device=device.type, workdir=out, batch_invariant=cfg.batch_invariant_mode,
-        )
+    generator = None
     try:
-        sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator, lora=cfg.model.lora)
+        # The generator as the loop sees it: sync, rollouts, close (generator/colocated.py, generator/remote.py).
+        if world is None:
+            from torchtitan_rl.generator.colocated import ColocatedGenerator
+
+            generator = ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=out)
+        else:
+            from torchtitan_rl.generator.remote import RemoteGenerator
+
+            generator = RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
         prompt_rng = random.Random(cfg.job.seed)
         start = 0
@@ -82,11 +102,6 @@ def run(cfg: JobConfig) -> list[dict]:
                 prompt_rng.setstate(_tuples(extra["prompt_rng"]))
                 start = trainer.step
 
-        P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-        if (P * G) % trainer.dp_size:
-            raise ValueError(
-                f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {trainer.dp_size} data-parallel ranks"
-            )
         temperature = cfg.generator.sampling.temperature
         logger = MetricsLogger(out, enabled=rank == 0)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
@@ -96,22 +111,15 @@ def run(cfg: JobConfig) -> list[dict]:
             #    control: only the first sync, so the generator keeps step-0 weights).
             sync_s = 0.0
             if cfg.weight_sync.enable or step == start:
-                sync_s = sync.sync(trainer.sync_state(), version=step).seconds
+                sync_s = generator.sync(trainer.sync_state(), version=step)
 
-            # 2. generate on rank 0; every rank gets the rollouts.
+            # 2. generate; every rank gets the rollouts.
             prompts = task.sample_prompts(P, generator=prompt_rng)
             t_gen = time.perf_counter()
-            payload = [None]
-            if rank == 0:
-                payload = [
-                    generator.generate(
-                        [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
-                        seed=cfg.job.seed * 1_000_003 + step,
-                    )
-                ]
-            if world > 1:
-                dist.broadcast_object_list(payload, src=0)
-            rollouts = payload[0]
+            rollouts = generator.rollouts(
+                [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
+                seed=cfg.job.seed * 1_000_003 + step,
+            )
             gen_s = time.perf_counter() - t_gen
 
             # 3. score, 4. group-relative advantages
@@ -180,7 +188,7 @@ def run(cfg: JobConfig) -> list[dict]:
         return history
     finally:
         if generator is not None:
-            generator.close()  # now, not at a garbage collection in the middle of something else
+            generator.close()
 
 
 def run_shape(cfg: JobConfig, task):

@@ -176,13 +176,15 @@ class WeightSyncConfig:
     enable: bool = True
     """Push trainer weights to the generator each step (false: negative control)."""
     transport: Literal["inplace", "nccl"] = "inplace"
-    """inplace: colocated, in this process; nccl: generator on its own rank (weight_sync/nccl.py; not in simple_grpo)."""
+    """inplace: generator in trainer rank 0's process; nccl: generator on the last torchrun rank, own device."""
     bucket_mb: int = 512
     """Largest bucket of gathered/cast tensors in flight, in MiB."""
     verify: Literal["off", "sampled", "full"] = "sampled"
     """After each sync compare generator tensors with the source: none, a few, all."""
     verify_samples: int = 4
     """Tensors compared per sync when verify is sampled."""
+    peer_timeout_s: float = 1800.0
+    """transport=nccl: seconds one side waits for the other (engine start, a step) before it gives up."""
 
 
 @dataclass(kw_only=True)

@@ -223,6 +223,9 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.generator.load_format == "auto" and cfg.model.hf_checkpoint is None:
         raise ValueError("generator.load_format: 'auto' needs model.hf_checkpoint to be set")
 
+    if cfg.weight_sync.transport == "nccl":
+        _check_own_rank_generator(cfg, world_size)
+        world_size -= 1  # the last rank holds the generator; the trainer has the others
     _check_degrees(cfg.trainer.parallelism, "trainer.parallelism", world_size, exact=True)
     _check_degrees(cfg.generator.parallelism, "generator.parallelism", world_size, exact=False)
 
@@ -256,6 +259,27 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
                 "batch_invariant_mode: on CPU needs trainer.parallelism.tensor_parallel_degree 1, "
                 f"got {tp_t} (a sharded matmul reduces in a different order)"
             )
+
+
+def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
+    """transport=nccl: trainer ranks + one generator rank, one device each (generator/remote.py)."""
+    if world_size < 2:
+        raise ValueError(
+            "weight_sync.transport: 'nccl' puts the generator on its own rank; run under torchrun with "
+            f">= 2 processes (trainer ranks + 1 generator rank), got world size {world_size}"
+        )
+    if cfg.weight_sync.peer_timeout_s <= 0:
+        raise ValueError(f"weight_sync.peer_timeout_s: must be > 0, got {cfg.weight_sync.peer_timeout_s}")
+    if cfg.generator.parallelism.tensor_parallel_degree != 1:
+        raise ValueError(
+            "generator.parallelism.tensor_parallel_degree: weight_sync.transport 'nccl' gives the generator "
+            f"one rank and one device, so it must be 1, got {cfg.generator.parallelism.tensor_parallel_degree}"
+        )
+    if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+        # NcclSender moves the trainer's tensors as they are; merging W + BA is WeightSync's (in place) only.
+        raise ValueError(
+            "model.lora.sync: 'merged' is not supported with weight_sync.transport 'nccl'; use 'adapter'"
+        )
 
 
 def _get(cfg: JobConfig, path: str) -> Any:

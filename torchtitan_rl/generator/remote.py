@@ -1,0 +1,166 @@
+"""A generator on its own rank (weight_sync.transport = "nccl"): its serving loop and the trainer's client.
+
+torchrun starts N processes: ranks 0..N-2 train (FSDP over them, their
+default process group excludes the last rank), the last rank holds the
+generator on its own device (weight_sync/nccl.py's ``init_world``). Trainer
+rank 0 drives; the generator rank answers its messages in order:
+
+    trainer rank 0 (RemoteGenerator)          generator rank (serve)
+    "start"                                   builds the sync plan (NcclReceiver)
+    "sync"     + NcclSender.sync (all ranks)  NcclReceiver.receive
+    "generate" {prompts, n, seed, ...}        Generator.generate -> the pickled Rollouts
+    "stop"     (also after a trainer error)   closes the engine, returns
+
+Messages and rollouts go through the job's store, one key each, deleted by
+the reader, so the store does not grow; the weights go over the two-rank
+group of NcclSender/NcclReceiver. The generator needs no task and no prompt
+RNG: each request carries its prompts and seed, so a resumed trainer (RNG
+state from the checkpoint) drives it unchanged. Every wait that only a crash
+on the other side could make endless gives up after
+``weight_sync.peer_timeout_s`` with a RuntimeError.
+"""
+
+import pickle
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl import compat
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.generator.generator import Generator, Rollouts
+from torchtitan_rl.models.qwen3 import Qwen3Shape
+from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
+
+_PREFIX = "torchtitan_rl/generator"
+_POLL_S = 1.0
+"""How often the generator, waiting for a sync's data, checks whether the trainer moved on."""
+
+
+class _Mailbox:
+    """Numbered pickled messages through the job's store; the reader deletes each key it reads."""
+
+    def __init__(self, store: dist.Store, *, timeout_s: float, peer: str) -> None:
+        self.store = dist.PrefixStore(_PREFIX, store)
+        self.timeout_s, self.peer = timeout_s, peer
+        self.sent = {"msg": 0, "reply": 0}
+        self.read = {"msg": 0, "reply": 0}
+
+    def put(self, box: str, value) -> None:
+        self.store.set(f"{box}/{self.sent[box]}", pickle.dumps(value))
+        self.sent[box] += 1
+
+    def waiting(self, box: str) -> bool:
+        """Whether the next ``box`` entry has arrived."""
+        return self.store.check([f"{box}/{self.read[box]}"])
+
+    def get(self, box: str, what: str):
+        key = f"{box}/{self.read[box]}"
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # waits in slices, as weight_sync/nccl.py's _get does
+            try:
+                self.store.wait([key], timedelta(seconds=max(0.001, min(60.0, deadline - time.monotonic()))))
+                break
+            except dist.DistStoreError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
+                        f"({self.timeout_s:g} s); did it crash?"
+                    ) from None
+        value = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        self.read[box] += 1
+        return value
+
+
+# ---------------------------------------------------------------- trainer side
+
+
+class RemoteGenerator:
+    """The trainer's view of the generator rank; every trainer rank calls each method together.
+
+    Built after the Trainer (``init_world`` first, so the Trainer took the
+    trainer-only default group). The constructor returns once the generator
+    has built its sync plan from the trainer's keys (its engine start included).
+    """
+
+    def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], world: World) -> None:
+        assert world.role == "trainer"
+        self.world = world
+        self.mailbox = _Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer="generator rank")
+        if world.sender:
+            self.mailbox.put("msg", {"op": "start"})
+        self.sender = NcclSender(
+            cfg.weight_sync, reference=reference, world=world, timeout_s=cfg.weight_sync.peer_timeout_s
+        )
+
+    def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
+        """Send ``state`` to the generator, which then serves ``version``; seconds taken."""
+        if self.world.sender:
+            self.mailbox.put("msg", {"op": "sync"})
+        return self.sender.sync(state, version=version).seconds
+
+    def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
+        """Generator.generate on the generator rank (``n``, ``stop_token_ids``, ``seed``); every rank gets it."""
+        payload = [None]
+        if self.world.sender:
+            self.mailbox.put("msg", {"op": "generate", "prompts": prompts, **generate_kwargs})
+            payload = [self.mailbox.get("reply", "rollouts")]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)  # the trainer ranks' group
+        reply = payload[0]
+        if "error" in reply:
+            raise RuntimeError(f"generator rank: {reply['error']}")
+        return reply["rollouts"]
+
+    def close(self) -> None:
+        """Tell the generator rank to shut its engine down and exit (also after an error here)."""
+        if self.world.sender:
+            self.mailbox.put("msg", {"op": "stop"})
+
+
+# -------------------------------------------------------------- generator side
+
+
+def serve(cfg: JobConfig, *, world: World, shape: Qwen3Shape, workdir: Path) -> None:
+    """The generator rank's whole run: build the engine, answer trainer rank 0 until "stop"."""
+    assert world.role == "generator"
+    with compat.vllm_device(world.device):  # this rank's GPU, not cuda:0
+        generator = Generator(
+            cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
+            device=world.device.type, workdir=workdir, batch_invariant=cfg.batch_invariant_mode,
+        )
+    try:
+        mailbox = _Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer="trainer")
+        if mailbox.get("msg", "start message")["op"] == "stop":  # the trainer failed before its first sync
+            return
+        receiver = NcclReceiver(generator=generator, world=world)
+        while (message := mailbox.get("msg", "request"))["op"] != "stop":
+            if message["op"] == "sync":
+                _receive(receiver, mailbox, cfg.weight_sync.peer_timeout_s)
+            else:
+                assert message["op"] == "generate", message
+                del message["op"]
+                try:
+                    reply = {"rollouts": generator.generate(message.pop("prompts"), **message)}
+                except Exception as e:
+                    mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
+                    raise
+                mailbox.put("reply", reply)
+    finally:
+        generator.close()
+
+
+def _receive(receiver: NcclReceiver, mailbox: _Mailbox, timeout_s: float) -> None:
+    """One sync. A trainer that rejects its state dict sends nothing and stops: don't wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while receiver.receive(timeout_s=_POLL_S) is None:
+        if mailbox.waiting("msg"):  # the next message ("stop") came instead of the sync's data
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"generator: the trainer announced a sync but sent nothing within weight_sync.peer_timeout_s "
+                f"({timeout_s:g} s); did it crash?"
+            )
