@@ -137,18 +137,21 @@ def serve(cfg: JobConfig, *, world: World, shape: Qwen3Shape, workdir: Path) -> 
         if mailbox.get("msg", "start message")["op"] == "stop":  # the trainer failed before its first sync
             return
         receiver = NcclReceiver(generator=generator, world=world)
-        while (message := mailbox.get("msg", "request"))["op"] != "stop":
-            if message["op"] == "sync":
+        while True:
+            request = mailbox.get("msg", "request")
+            op = request.pop("op")
+            if op == "stop":
+                return
+            if op == "sync":
                 _receive(receiver, mailbox, cfg.weight_sync.peer_timeout_s)
-            else:
-                assert message["op"] == "generate", message
-                del message["op"]
-                try:
-                    reply = {"rollouts": generator.generate(message.pop("prompts"), **message)}
-                except Exception as e:
-                    mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
-                    raise
-                mailbox.put("reply", reply)
+                continue
+            assert op == "generate", op
+            try:
+                rollouts = generator.generate(request.pop("prompts"), **request)
+            except Exception as e:  # the trainer raises it too, rather than wait for rollouts
+                mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
+                raise
+            mailbox.put("reply", {"rollouts": rollouts})
     finally:
         generator.close()
 
