@@ -30,6 +30,7 @@ cuda:1; weight_sync/nccl.py's init_world sets that up. Per model shape
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -80,12 +81,57 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def ours_configs(args) -> list[tuple[str, int, str]]:
-    """(label, bucket MiB, verify) rows; the first is the default configuration."""
-    rows = [(f"ours, {args.buckets[0]} MiB buckets, verify=sampled", args.buckets[0], "sampled")]
-    rows += [(f"ours, {b} MiB buckets, verify=sampled", b, "sampled") for b in args.buckets[1:]]
-    rows.append((f"ours, {args.buckets[0]} MiB buckets, verify=full", args.buckets[0], "full"))
+def ours_configs(args) -> list[tuple[str, int, str, str]]:
+    """(label, bucket MiB, verify, scan) rows; the first is the default configuration.
+
+    scan: where the NaN/inf scan runs. "side" (the default: a side stream, its
+    verdict after the first two buckets), and with --scan-variants "current"
+    (the current stream, ahead of the first pack, verdict as before) and
+    "before" (validated with a host sync before the header: the pre-overlap
+    design), to show what the overlap buys on this machine.
+    """
+    rows = [(f"ours, {args.buckets[0]} MiB buckets, verify=sampled", args.buckets[0], "sampled", "side")]
+    rows += [(f"ours, {b} MiB buckets, verify=sampled", b, "sampled", "side") for b in args.buckets[1:]]
+    rows.append((f"ours, {args.buckets[0]} MiB buckets, verify=full", args.buckets[0], "full", "side"))
+    if args.scan_variants:
+        for b in args.buckets:
+            rows.append((f"ours, {b} MiB buckets, verify=sampled, scan on the current stream", b, "sampled", "current"))
+            rows.append((f"ours, {b} MiB buckets, verify=sampled, scan before sending (host sync)", b, "sampled",
+                         "before"))
     return rows
+
+
+PROFILED_SYNCS = 3
+
+
+@contextlib.contextmanager
+def profiled(path: Path, device: torch.device):
+    """torch.profiler around the block; the top ops by self CPU and by device time go to ``path``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+        synchronize(device.type)
+    table = prof.key_averages()
+    text = f"{PROFILED_SYNCS} syncs\n" + table.table(sort_by="self_cpu_time_total", row_limit=30)
+    if device.type == "cuda":
+        text += "\n" + table.table(sort_by="self_cuda_time_total", row_limit=30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def scan_variant(sender: NcclSender, scan: str):
+    """A replacement for sender._scan (see ours_configs)."""
+    ws = sender.ws
+    if scan == "current":
+        return ws.problem_flags
+    if scan == "before":
+        def before(state, keys):
+            ws.validate(state, keys)
+            return torch.zeros(len(keys) + len(ws.aliases), dtype=torch.uint8, device=sender.world.device)
+        return before
+    return NcclSender._scan.__get__(sender)
 
 
 # ----------------------------------------------------------------------- trainer
@@ -143,9 +189,10 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
 
     # 2. Ours, per configuration (the generator follows the header of each sync).
     base = WeightSyncConfig()
-    for label, bucket_mb, verify in ours_configs(args):
+    for label, bucket_mb, verify, scan in ours_configs(args):
         sender.config = dataclasses.replace(base, verify=verify)
         sender.bucket_bytes = bucket_mb << 20
+        sender._scan = scan_variant(sender, scan)
         times = []
         for i in range(args.warmup + args.repeats):
             synchronize(device.type)
@@ -153,6 +200,12 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
             stats = sender.sync(state, version=next(version))
             times.append(time.perf_counter() - t)
         res["times"][label] = median(times[args.warmup:])
+    sender._scan = scan_variant(sender, "side")
+    if args.profile:
+        sender.config, sender.bucket_bytes = base, ours_configs(args)[0][1] << 20
+        with profiled(Path(args.profile) / f"profile_trainer_{flavor}.txt", device):
+            for _ in range(PROFILED_SYNCS):
+                stats = sender.sync(state, version=next(version))
     res["bytes"] = stats.bytes_written  # steady state: parameters only (unchanged RoPE buffers skip)
     res["buffer_bytes"] = sender.buffers.nbytes
     keys = sender.ws.keys
@@ -272,10 +325,14 @@ def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
     ch.put("changed", r2.completion_ids != r1.completion_ids)
 
     g_times = {}
-    for label, _, _ in ours_configs(args):
+    for label, *_ in ours_configs(args):
         times = [receiver.receive().seconds for _ in range(args.warmup + args.repeats)]
         g_times[label] = median(times[args.warmup:])
     out["generator_side_s"] = g_times
+    if args.profile:
+        with profiled(Path(args.profile) / f"profile_generator_{flavor}.txt", world.device):
+            for _ in range(PROFILED_SYNCS):
+                receiver.receive()
 
     nbytes = ch.get("raw_bytes")
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=world.device)  # the sender's dtype and count
@@ -404,6 +461,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's NCCL engine")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="profile 3 default syncs on both sides; top-op tables to DIR/profile_*.txt")
+    parser.add_argument("--scan-variants", action="store_true",
+                        help="also time the NaN/inf scan on the current stream and before sending (host sync)")
     parser.add_argument("--startup-timeout", type=float, default=180.0,
                         help="seconds the trainer waits for the generator's plan (engine start included)")
     parser.add_argument("--json", default=None)

@@ -160,3 +160,21 @@ def test_unchanged_buffers_move_once_and_changed_ones_again(generator):
     assert third.bytes_written == second.bytes_written + rope_bytes // len(rope)
     assert torch.equal(generator.model.all_tensors()[rope[0]], state[rope[0]])
     assert max_logprob_error(generator.generate(PROMPTS, n=1, seed=6), model) < LOGPROB_ATOL
+
+
+def test_a_changed_engine_constant_fails_the_sync_by_name(generator):
+    """vLLM's KV-cache scales must stay 1; the check reads every element, not only the first."""
+    state = native_state(trainer_model(seed=16))
+    ws, _ = _sync(generator, state, 16)
+    name, (tensor, value) = next(iter(ws.plan.constants.items()))
+    flat = tensor.view(-1)
+    with torch.no_grad():
+        flat[-1] = 2.0
+    try:
+        with pytest.raises(RuntimeError, match=f"engine-owned tensors changed: .*{name}"):
+            ws.sync(state, version=17)
+        assert generator.weight_version is None  # it serves nothing rather than a broken engine
+    finally:
+        with torch.no_grad():
+            flat[-1] = value
+    assert ws.sync(state, version=18).version == 18

@@ -204,16 +204,45 @@ def _get(store: dist.Store, key: str, timeout_s: float | None) -> str | None:
                 return None
 
 
-class _Buffers:
-    """Two flat uint8 buffers, grown when a sync needs a bigger bucket."""
+@dataclass
+class _Bucket:
+    keys: list[str]
+    flat: tuple[torch.Tensor, ...]
+    """The bucket's bytes in send/receive buffer 0 and in buffer 1."""
+    views: tuple[list[torch.Tensor], ...]
+    """Each key's slice of ``flat[0]`` and of ``flat[1]``, as its wire dtype and layout shape."""
+    dests: list[torch.Tensor] | None = None
+    """Generator side: the plan's destination view per key, looked up on first use."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.bufs = device, []
 
-    def get(self, nbytes: int) -> list[torch.Tensor]:
-        if not self.bufs or self.bufs[0].numel() < nbytes:
-            self.bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        return self.bufs
+class _Buckets:
+    """Two flat uint8 buffers and, per (key list, bucket size), the buckets with their views.
+
+    Built on the first sync that moves those keys and reused after: building
+    ~300 views per sync on the host sat on the critical path of both sides.
+    Growing the buffers drops the cached views (they would keep the old ones alive).
+    """
+
+    def __init__(self, device: torch.device, layout: dict[str, tuple[torch.dtype, torch.Size]],
+                 key_bytes: dict[str, int]):
+        self.device, self.layout, self.key_bytes = device, layout, key_bytes
+        self.bufs: list[torch.Tensor] = []
+        self._cache: dict[tuple[tuple[str, ...], int], list[_Bucket]] = {}
+
+    def get(self, keys: list[str], limit: int) -> list[_Bucket]:
+        cache_key = (tuple(keys), limit)
+        if cache_key not in self._cache:
+            groups = _buckets(keys, self.key_bytes, limit)
+            sizes = [sum(self.key_bytes[k] for k in g) for g in groups]
+            if max(sizes, default=0) > (self.bufs[0].numel() if self.bufs else 0):
+                self._cache.clear()
+                self.bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self._cache[cache_key] = [
+                _Bucket(g, tuple(b[:n] for b in self.bufs),
+                        tuple(_views(b, g, self.layout, self.key_bytes) for b in self.bufs))
+                for g, n in zip(groups, sizes)
+            ]
+        return self._cache[cache_key]
 
     @property
     def nbytes(self) -> int:
@@ -260,7 +289,7 @@ class NcclSender:
             k: (getattr(torch, reply["dtypes"][k]), reference[k].shape) for k in self.ws.keys
         }
         self.nbytes = {k: _aligned(s.numel() * d.itemsize) for k, (d, s) in self.layout.items()}
-        self.buffers = _Buffers(world.device)
+        self.buffers = _Buckets(world.device, self.layout, self.nbytes)
         self._side = torch.cuda.Stream(world.device) if world.device.type == "cuda" else None
 
     @torch.no_grad()
@@ -270,7 +299,6 @@ class NcclSender:
         unchanged = ws._unchanged(state, ws.keys)
         keys = [k for k in ws.keys if k not in unchanged]
         ws.check_structure(state)  # the same verdict on every trainer rank; nothing was sent
-        flags = self._scan(state, keys)
         self.syncs += 1
         n, limit = self.syncs, self.bucket_bytes
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
@@ -280,7 +308,7 @@ class NcclSender:
                 "version": version, "moved": "".join("1" if k in moved else "0" for k in ws.keys),
                 "bucket_bytes": limit, "verify": self.config.verify, "samples": self.config.verify_samples,
             }))
-        self._send(state, keys, check, limit, flags)
+        flags = self._send(state, keys, check, limit)
         answer = _get(self.store, f"ack/{n}", None)
         if answer == "rejected":
             ws.raise_problems(flags, keys)  # every rank holds the reduced flags: all raise alike
@@ -314,27 +342,29 @@ class NcclSender:
         verdict = flags.amax(dim=0, keepdim=True) if flags.numel() else flags.new_zeros(1)
         return _broadcast(self.world.pair, verdict, root=0), verdict  # keep it alive until sent
 
-    def _send(self, state: dict[str, torch.Tensor], keys: list[str], check: set[str], limit: int,
-              flags: torch.Tensor) -> None:
-        buckets = _buckets(keys, self.nbytes, limit)
+    def _send(self, state: dict[str, torch.Tensor], keys: list[str], check: set[str], limit: int) -> torch.Tensor:
+        """Buckets, the scan's verdict after the first two, checksums; returns the reduced problem flags."""
         sender = self.world.sender
         if sender:
-            bufs = self.buffers.get(max(sum(self.nbytes[k] for k in b) for b in buckets) if buckets else 0)
-        works, sums, verdict = [None, None], [], None
+            buckets = self.buffers.get(keys, limit)
+        else:
+            buckets = [_Bucket(g, (), ()) for g in _buckets(keys, self.nbytes, limit)]
+        works, sums, flags, verdict = [None, None], [], None, None
         for i, bucket in enumerate(buckets):
             if i == _LEAD:
                 verdict = self._verdict(flags)
-            sources = [_full(state[k]) for k in bucket]  # gathers shards: collective on every trainer rank
-            if not sender:
-                continue
-            slot = i % 2
-            if works[slot] is not None:
-                works[slot].wait()  # bucket i-2 has left this buffer
-            size = sum(self.nbytes[k] for k in bucket)
-            views = _views(bufs[slot], bucket, self.layout, self.nbytes)
-            torch._foreach_copy_(views, sources)  # the cast to the generator's dtype happens in the copy
-            works[slot] = _broadcast(self.world.pair, bufs[slot][:size], root=0)
-            sums += [_checksum(v) for k, v in zip(bucket, views) if k in check]
+            sources = [_full(state[k]) for k in bucket.keys]  # gathers shards: collective on every trainer rank
+            if sender:
+                slot = i % 2
+                if works[slot] is not None:
+                    works[slot].wait()  # bucket i-2 has left this buffer
+                torch._foreach_copy_(bucket.views[slot], sources)  # the cast to the generator's dtype happens here
+                works[slot] = _broadcast(self.world.pair, bucket.flat[slot], root=0)
+                sums += [_checksum(v) for k, v in zip(bucket.keys, bucket.views[slot]) if k in check]
+            if i == 0:  # queued behind the first bucket: its host time overlaps the wire
+                flags = self._scan(state, keys)
+        if flags is None:
+            flags = self._scan(state, keys)
         if len(buckets) <= _LEAD:
             verdict = self._verdict(flags)
         if sender:
@@ -344,6 +374,7 @@ class NcclSender:
             for w in works:
                 if w is not None:
                     w.wait()
+        return flags
 
 
 # -------------------------------------------------------------- generator side
@@ -367,9 +398,10 @@ class NcclReceiver:
         self.plan = self._build_plan(json.loads(_get(self.store, "sources", None)))
         self.entries = {e.source: e for e in self.plan.entries}
         self.keys = [e.source for e in self.plan.entries]
-        self.layout = {e.source: (e.dest.dtype, self.plan.source_specs[e.source].shape) for e in self.plan.entries}
+        # Wire layout as the destinations' shapes (same elements as the trainer's): the unpack needs no reshape.
+        self.layout = {e.source: (e.dest.dtype, e.dest.shape) for e in self.plan.entries}
         self.nbytes = {k: _aligned(s.numel() * d.itemsize) for k, (d, s) in self.layout.items()}
-        self.buffers = _Buffers(world.device)
+        self.buffers = _Buckets(world.device, self.layout, self.nbytes)
         self.syncs = 0
         self.lock = threading.Lock()
         self.syncing = threading.Event()
@@ -442,14 +474,12 @@ class NcclReceiver:
 
     def _receive(self, keys: list[str], check: set[str], limit: int) -> int | None:
         """Tensors checksummed; None if the trainer's verdict rejected the sync (nothing written)."""
-        buckets = _buckets(keys, self.nbytes, limit)
-        sizes = [sum(self.nbytes[k] for k in b) for b in buckets]
-        bufs = self.buffers.get(max(sizes) if sizes else 0)
+        buckets = self.buffers.get(keys, limit)
         pair = self.world.pair
         works = [None] * len(buckets)
 
         def post(i: int) -> None:
-            works[i] = _broadcast(pair, bufs[i % 2][: sizes[i]], root=0)
+            works[i] = _broadcast(pair, buckets[i].flat[i % 2], root=0)
 
         lead = min(_LEAD, len(buckets))
         for i in range(lead):
@@ -467,9 +497,9 @@ class NcclReceiver:
             return None
         for i, bucket in enumerate(buckets):
             works[i].wait()
-            views = _views(bufs[i % 2], bucket, self.layout, self.nbytes)
-            dests = [self.entries[k].dest for k in bucket]
-            torch._foreach_copy_(dests, [v.view(d.shape) for v, d in zip(views, dests)])
+            if bucket.dests is None:
+                bucket.dests = [self.entries[k].dest for k in bucket.keys]
+            torch._foreach_copy_(bucket.dests, bucket.views[i % 2])
             if i + 2 < len(buckets):
                 post(i + 2)  # the process group orders it after the unpack just queued
         if not check:
