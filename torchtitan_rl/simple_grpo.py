@@ -9,6 +9,7 @@ ranks train. The step body is the same for both. Heavy imports stay inside
 ``run`` so that --help and config errors are instant.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,11 +40,15 @@ def run(cfg: JobConfig) -> list[dict]:
     import torch.distributed as dist
     from tqdm import tqdm
 
+    from torchtitan_rl.config import validate
+    from torchtitan_rl.generator.colocated import ColocatedGenerator
+    from torchtitan_rl.generator.remote import RemoteGenerator, serve
     from torchtitan_rl.grpo import build_task, group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.trainer.trainer import TrainBatch
+    from torchtitan_rl.weight_sync import init_world
 
     started = time.perf_counter()
     out = Path(cfg.job.output_dir)
@@ -52,16 +57,9 @@ def run(cfg: JobConfig) -> list[dict]:
     shape = run_shape(cfg, task)
     world = None
     if cfg.weight_sync.transport == "nccl":
-        import os
-
-        from torchtitan_rl.config import validate
-        from torchtitan_rl.generator.remote import serve
-        from torchtitan_rl.weight_sync import init_world
-
         # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        # Before the Trainer, which then takes the trainer ranks' default group.
-        world = init_world(device.type)
+        world = init_world(device.type)  # before the Trainer, which then takes the trainer ranks' default group
         if world.role == "generator":
             serve(cfg, world=world, shape=shape, workdir=out)
             return []
@@ -84,14 +82,10 @@ def run(cfg: JobConfig) -> list[dict]:
         write_toml(cfg, out / "config.toml")
     generator = None
     try:
-        # The generator as the loop sees it: sync, rollouts, close (generator/colocated.py, generator/remote.py).
+        # The generator as the loop sees it, in either layout: sync, rollouts, close.
         if world is None:
-            from torchtitan_rl.generator.colocated import ColocatedGenerator
-
             generator = ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=out)
         else:
-            from torchtitan_rl.generator.remote import RemoteGenerator
-
             generator = RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
         prompt_rng = random.Random(cfg.job.seed)
@@ -213,8 +207,6 @@ def run_device(name: str):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        import os
-
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device(name)
 
