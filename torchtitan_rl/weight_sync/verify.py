@@ -21,16 +21,17 @@ def pick_entries(keys: list[str], level: str, samples: int, version: int) -> set
 def verify_constants(constants: dict[str, tuple[torch.Tensor, float]]) -> int:
     """Engine-owned tensors still hold their required value, every element.
 
-    One concatenation and one comparison per dtype: checking tensor by tensor
-    was a few launches per attention layer on the critical path of each sync.
+    One concatenation and comparison per (dtype, value) and one host sync:
+    checking tensor by tensor was a few launches per attention layer on the
+    critical path of each sync.
     """
-    groups: dict[torch.dtype, list[tuple[str, torch.Tensor, float]]] = {}
+    if not constants:
+        return 0
+    groups: dict[tuple[torch.dtype, float], list[tuple[str, torch.Tensor]]] = {}
     for name, (tensor, value) in constants.items():
-        groups.setdefault(tensor.dtype, []).append((name, tensor, value))
-    for group in groups.values():
-        values = torch.cat([t.reshape(-1) for _, t, _ in group])
-        expected = torch.cat([torch.full((t.numel(),), v, dtype=t.dtype) for _, t, v in group])  # host, tiny
-        if not torch.equal(values, expected.to(values.device)):
-            wrong = [name for name, t, v in group if not bool((t == v).all())]
-            raise RuntimeError(f"weight_sync: engine-owned tensors changed: {wrong}")
+        groups.setdefault((tensor.dtype, value), []).append((name, tensor))
+    wrong = torch.stack([(torch.cat([t.reshape(-1) for _, t in g]) != v).any() for (_, v), g in groups.items()])
+    if bool(wrong.any()):
+        names = [n for (_, v), g in groups.items() for n, t in g if not bool((t == v).all())]
+        raise RuntimeError(f"weight_sync: engine-owned tensors changed: {names}")
     return len(constants)
