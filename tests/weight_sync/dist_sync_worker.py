@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.helpers import PROMPTS, make_generator, max_logprob_error, tiny_shape, trainer_model
 from torchtitan_rl.config import WeightSyncConfig
@@ -25,6 +25,7 @@ from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConf
 from torchtitan_rl.grpo.batch import pack_rollouts
 from torchtitan_rl.trainer import TrainBatch, Trainer
 from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.dtensor import full_many
 
 N = 2
 """Completions per prompt."""
@@ -100,12 +101,33 @@ def main() -> None:
 
     layouts = [None, None]
     dist.all_gather_object(layouts, layout)
+    batched = check_full_many(trainer)
     if rank == 0:
-        result = {"layouts": layouts, "unsharded": plain, "versions": versions, "train_metrics": metrics}
+        result = {"layouts": layouts, "unsharded": plain, "versions": versions, "train_metrics": metrics,
+                  "full_many": batched}
         (out_dir / "result.json").write_text(json.dumps(result, indent=1))
     # No destroy_process_group: vLLM's exit hook on rank 0 tears down its own
     # groups, which must then still be valid.
     dist.barrier()
+
+
+def check_full_many(trainer) -> dict:
+    """full_many's one all-gather per bucket against full_tensor() per tensor, bit for bit:
+    the trainer's state, uneven rows (5 over 2 ranks), a rank with an empty shard (1 row),
+    a 1-D tensor, and a cast to bf16 on the way."""
+    mesh = next(iter(trainer.sync_state().values())).device_mesh
+    g = torch.Generator().manual_seed(7)
+    odd = [torch.randn(*shape, generator=g) for shape in ((5, 3), (1, 4), (7,))]
+    odd = [distribute_tensor(t, mesh, [Shard(0)]) for t in odd]
+    state = list(trainer.sync_state().values())
+    tensors = state + odd
+    dtypes = [torch.float32] * len(state) + [torch.float32, torch.bfloat16, torch.float32]
+    got = full_many(tensors, dtypes)
+    want = [(t.full_tensor() if isinstance(t, DTensor) else t).to(d) for t, d in zip(tensors, dtypes)]
+    return {
+        "tensors": len(tensors),
+        "equal": all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want)),
+    }
 
 
 if __name__ == "__main__":

@@ -60,6 +60,11 @@ def test_fsdp_sharded_sync_matches_generator(two_rank_sync):
     assert v2["gen_vs_previous_weights"] > 10 * LOGPROB_ATOL, v2
 
 
+def test_batched_gather_equals_full_tensor_bit_for_bit(two_rank_sync):
+    batched = two_rank_sync["full_many"]
+    assert batched["tensors"] > 20 and batched["equal"], batched
+
+
 def test_grpo_loop_runs_on_two_ranks_under_torchrun(tmp_path):
     _torchrun(
         "-m", "torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml",

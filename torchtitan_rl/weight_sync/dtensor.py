@@ -1,7 +1,8 @@
 """Local shards and whole tensors of (possibly) sharded trainer state."""
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -18,3 +19,58 @@ def needs_gather(t: torch.Tensor) -> bool:
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor; gathers (collectively) only when shards live elsewhere."""
     return t.full_tensor() if needs_gather(t) else local(t)
+
+
+def _fsdp_sharded(t: torch.Tensor) -> bool:
+    """Sharded on dim 0 over a 1-D mesh (FSDP's layout): gatherable by one flat all-gather."""
+    if not needs_gather(t) or t.device_mesh.ndim != 1:
+        return False
+    placement = t.placements[0]
+    return isinstance(placement, Shard) and placement.dim == 0
+
+
+def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None) -> list[torch.Tensor]:
+    """``full`` of each tensor, collectively on every rank; gathered ones come back in
+    ``dtypes`` (the dtype they travel in), the others as they are (a caller's copy casts them).
+
+    FSDP shards (dim 0 over one mesh) move in ONE all-gather per mesh and
+    dtype: each rank packs its shards, cast first (half the bytes for fp32
+    masters going to bf16), padded to ceil(rows / ranks) rows as DTensor
+    splits them. A full_tensor() call per tensor was ~0.1 ms of host time
+    each, ~40 ms a sync for a 28-layer model on two ranks. Other layouts
+    (tensor parallel, 2-D meshes) gather one by one.
+    """
+    dtypes = dtypes or [t.dtype for t in tensors]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _fsdp_sharded(t):
+            groups.setdefault((id(t.device_mesh), dtypes[i]), []).append(i)
+        else:
+            out[i] = full(t)
+    for (_, dtype), idx in groups.items():
+        mesh = tensors[idx[0]].device_mesh
+        world = mesh.size()
+        shards = [tensors[i].to_local() for i in idx]
+        shapes = [tensors[i].shape for i in idx]
+        chunks = [-(-s[0] // world) * s[1:].numel() for s in shapes]  # padded elements per rank and tensor
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + c)
+        send = torch.empty(offsets[-1], dtype=dtype, device=shards[0].device)
+        torch._foreach_copy_([send[o : o + s.numel()].view(s.shape) for o, s in zip(offsets, shards)], shards)
+        recv = torch.empty(world, offsets[-1], dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(recv.view(-1), send, group=mesh.get_group())
+        dests, srcs = [], []
+        for j, i in enumerate(idx):
+            rows, row = shapes[j][0], shapes[j][1:].numel()
+            per = -(-rows // world)
+            whole = torch.empty(shapes[j], dtype=dtype, device=send.device)
+            for r in range(world):
+                n = max(0, min(per, rows - r * per))
+                if n:
+                    dests.append(whole.view(rows, row)[r * per : r * per + n])
+                    srcs.append(recv[r, offsets[j] : offsets[j] + n * row].view(n, row))
+            out[i] = whole
+        torch._foreach_copy_(dests, srcs)
+    return out

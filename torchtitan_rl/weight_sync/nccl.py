@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
-from torchtitan_rl.weight_sync.dtensor import full as _full, local as _local
+from torchtitan_rl.weight_sync.dtensor import full_many, local as _local
 from torchtitan_rl.weight_sync.sync import SyncStats, WeightSync
 from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
@@ -353,7 +353,8 @@ class NcclSender:
         for i, bucket in enumerate(buckets):
             if i == _LEAD:
                 verdict = self._verdict(flags)
-            sources = [_full(state[k]) for k in bucket.keys]  # gathers shards: collective on every trainer rank
+            # Every trainer rank joins the gathers (one all-gather per bucket for FSDP shards, cast first).
+            sources = full_many([state[k] for k in bucket.keys], [self.layout[k][0] for k in bucket.keys])
             if sender:
                 slot = i % 2
                 if works[slot] is not None:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.config import LoRAConfig, WeightSyncConfig
 from torchtitan_rl.models.lora import is_lora_key, merged_state
-from torchtitan_rl.weight_sync.dtensor import local as _local, needs_gather as _needs_gather
+from torchtitan_rl.weight_sync.dtensor import full_many, local as _local, needs_gather as _needs_gather
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
 from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
 
@@ -196,7 +196,8 @@ class WeightSync:
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
         verified = 0
         for bucket in self._buckets(keys):
-            sources = [state[k].full_tensor() if k in self.gathered else _local(state[k]) for k in bucket]
+            # Gathers collectively on every rank (one all-gather per bucket for FSDP shards).
+            sources = full_many([state[k] for k in bucket]) if self.gathered else [_local(state[k]) for k in bucket]
             if self.plan is None:
                 continue
             dests = [entries[k].dest for k in bucket]
