@@ -65,6 +65,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 7, 64])
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="override generator.sampling.max_tokens (longer sequences cross more key tiles)")
     parser.add_argument("--output-dir", default="outputs/bitwise_check")
     parser.add_argument("--write-benchmarks", action="store_true", help="record the table in docs/benchmarks.md")
     parser.add_argument("--worker-mode", choices=["default", "bi"], default=None, help=argparse.SUPPRESS)
@@ -77,6 +79,9 @@ def main() -> int:
     from bench_common import run_modes, table, write_section
 
     base = load_toml(args.config)
+    if args.max_tokens:
+        sampling = dataclasses.replace(base.generator.sampling, max_tokens=args.max_tokens)
+        base = dataclasses.replace(base, generator=dataclasses.replace(base.generator, sampling=sampling))
     validate(base)
     device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
     # Default first: CPU batch-invariant mode pins torch to one thread for the process.

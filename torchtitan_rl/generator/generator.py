@@ -70,7 +70,7 @@ class Generator:
             load_format=config.load_format,
             hf_overrides={
                 "architectures": [TITAN_ARCH],
-                BATCH_INVARIANT_KEY: model_config.max_seq_len if batch_invariant else 0,
+                BATCH_INVARIANT_KEY: batch_invariant,
                 LORA_KEY: _unmerged_lora(model_config.lora),
             },
             dtype=model_config.dtype,

@@ -3,16 +3,34 @@
 A token's result must not depend on what else is in the batch, nor on
 whether it is computed in a decode step (generator) or inside a full
 sequence (trainer). We get that by construction: every reduction a token's
-output depends on runs over a fixed length in a fixed order, with the same
+output depends on runs in an order fixed by the token itself, with the same
 ops on both sides.
+
+Attention keys are zero-padded to a multiple of ``KEY_TILE`` (``padded_len``)
+of the longest sequence in the call, not to model.max_seq_len: the same
+row sees 16 keys in one batch and 272 in another. That is exact because every
+reduction over keys assigns a key to the same accumulator in the same order
+whatever the padded length, and the keys past a row's position add exact
+zeros (masked scores are -inf, exp(-inf) = 0, 0 * v = 0; adding 0 to a
+partial sum changes no bit):
+
+- CPU softmax sums lane by lane (key i in lane i % vector width) and the
+  key sum of ``attend`` is torch's cascade sum over rows of 4 keys; for any
+  length that is a multiple of 16 neither has a tail handled differently.
+- CUDA ``attend_mm`` reduces keys in vLLM's fp32 bmm, a sequential loop over
+  blocks of 32 keys from key 0: more padding only adds all-zero blocks.
+
+``tests/models/test_batch_invariant.py`` checks it: the same sequence in
+batches whose longest member differs gives the same bits.
 
 CPU:
 
-- Linear: fp32 multiply-and-sum over K per row (products of bf16 are exact in
-  fp32), so no GEMM blocking that depends on the number of rows.
-- Attention: each sequence's keys/values are zero-padded to one fixed length
-  (model.max_seq_len) and reduced with elementwise ops; masked positions
-  contribute exact zeros.
+- Linear: fp32 GEMMs of a fixed shape (64 rows, zero-padded), one per block
+  of rows, so the GEMM a row goes through never depends on the batch (a
+  test checks every row position of the block gives the same bits).
+- Attention (``attend``): elementwise products and torch's reductions over
+  contiguous, fixed-layout temporaries, so the reduction order per element
+  depends on the head dim and key tile only.
 - Single-threaded intra-op: a parallel reduction could split differently
   depending on the tensor's size.
 
@@ -24,16 +42,17 @@ number of rows):
   mm to cuBLAS, configured through environment variables that only count
   before the process's first matmul, so we call the kernel directly).
 - RMSNorm: vLLM's per-row kernel (torch's fused rms_norm makes no promise).
-- Attention (``attend_mm``): the same fixed padded length, as two batched
-  matmuls: q @ K^T, then exp(scores - max) @ [V, 1] (numerator and softmax
-  denominator from the same kernel, so no sum reduction whose split could
-  depend on the number of rows).
+- Attention (``attend_mm``): two batched matmuls: q @ K^T, then
+  exp(scores - max) @ [V, 1] (numerator and softmax denominator from the
+  same kernel, so no sum reduction whose split could depend on the number
+  of rows).
 - Sampled-token logprobs: the trainer calls the kernels of vLLM's GPU
   sampler (``sampler_token_logprobs``): vLLM keeps the processed logits in
   bf16, and a max/log-sum-exp kernel reading bf16 sums in a different order
   than one reading fp32 (measured: 1-ulp differences in 2% of tokens).
 
-The backward passes use ordinary kernels: only the forward values must match.
+The backward passes use ordinary kernels (attention: SDPA, as default mode):
+only the forward values must match.
 """
 
 import torch
@@ -42,9 +61,18 @@ import torch.nn.functional as F
 
 from torchtitan_rl import compat
 
-_ROW_CHUNK = 256  # CPU rows per chunk: bounds the (rows, N, K) fp32 temporary
-_ATTN_ROWS = 16384  # CUDA attention: sequences x query rows per chunk (scores: H x this x max_len fp32)
-_ATTN_KEYS = 128 * 1024  # CUDA attention: sequences x max_len per chunk (padded fp32 K/V)
+KEY_TILE = 16
+"""Attention keys are padded to a multiple of this (see the module docstring)."""
+
+_ROW_BLOCK = 64  # CPU linear: rows per GEMM, a fixed shape whatever the batch
+_CPU_ATTN_ELEMENTS = 1 << 24  # CPU attention: sequences x rows x keys x heads x head_dim per chunk (fp32)
+_ATTN_ROWS = 16384  # CUDA attention: sequences x query rows per chunk (scores: H x this x keys fp32)
+_ATTN_KEYS = 128 * 1024  # CUDA attention: sequences x padded keys per chunk (padded fp32 K/V)
+
+
+def padded_len(n: int) -> int:
+    """Keys an attention call over sequences of at most ``n`` tokens pads to."""
+    return max(1, -(-n // KEY_TILE)) * KEY_TILE
 
 
 def _bi_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
@@ -52,12 +80,15 @@ def _bi_matmul(x_MK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         if x_MK.shape[0] == 0:
             return x_MK.new_empty(0, w_NK.shape[0])
         return compat.batch_invariant_ops().matmul_persistent(x_MK, w_NK.t())
-    w = w_NK.float()
-    out = [
-        (x_MK[i : i + _ROW_CHUNK].float()[:, None, :] * w[None]).sum(-1)
-        for i in range(0, x_MK.shape[0], _ROW_CHUNK)
-    ]
-    return torch.cat(out).to(x_MK.dtype)
+    # fp32 GEMMs (products of bf16 values are exact) of shape [_ROW_BLOCK, K] x [K, N]:
+    # one per block, the same shape for every row whatever M is.
+    M, K = x_MK.shape
+    blocks = -(-M // _ROW_BLOCK)
+    x = x_MK.new_zeros(blocks * _ROW_BLOCK, K, dtype=torch.float32)
+    x[:M] = x_MK
+    w_KN = w_NK.float().t()
+    out = torch.bmm(x.view(blocks, _ROW_BLOCK, K), w_KN.expand(blocks, K, w_KN.shape[1]))
+    return out.view(-1, w_KN.shape[1])[:M].to(x_MK.dtype)
 
 
 class _BILinear(torch.autograd.Function):
@@ -110,37 +141,47 @@ def bi_rms_norm_forward(module: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return _BIRMSNorm.apply(x, module.weight, eps)
 
 
-def attend(q_RHD: torch.Tensor, k_SHD: torch.Tensor, v_SHD: torch.Tensor, positions_R: torch.Tensor,
-           *, max_len: int, scale: float) -> torch.Tensor:
-    """CPU: causal attention of R query rows over one sequence's keys, batch-invariantly.
-
-    ``k_SHD``/``v_SHD`` hold positions 0..S-1 of the sequence (S <= max_len,
-    kv heads already expanded to the query heads); row r attends to
-    positions <= positions_R[r].
-    """
-    S, H, D = k_SHD.shape
-    assert S <= max_len, f"sequence of {S} tokens exceeds max_len {max_len}"
-    k = torch.zeros(max_len, H, D, dtype=torch.float32, device=k_SHD.device)
-    v = torch.zeros_like(k)
-    k[:S], v[:S] = k_SHD.float(), v_SHD.float()
-    scores_RHS = (q_RHD.float()[:, :, None, :] * k.transpose(0, 1)[None]).sum(-1) * scale
-    keep = torch.arange(max_len, device=q_RHD.device)[None, :] <= positions_R[:, None]
-    scores_RHS = scores_RHS.masked_fill(~keep[:, None, :], float("-inf"))
-    probs_RHS = torch.softmax(scores_RHS, dim=-1)
-    out_RHD = (probs_RHS[..., None] * v.transpose(0, 1)[None]).sum(-2)
-    return out_RHD.to(q_RHD.dtype)
-
-
-def attend_mm(q_BRHD: torch.Tensor, k_GBSD: torch.Tensor, v_GBSD: torch.Tensor, positions_BR: torch.Tensor,
+def attention(q_BRHD: torch.Tensor, k_GBSD: torch.Tensor, v_GBSD: torch.Tensor, positions_BR: torch.Tensor,
               *, scale: float) -> torch.Tensor:
-    """CUDA: causal attention of B sequences' query rows over their padded keys, batch-invariantly.
+    """Causal attention of B sequences' query rows over their padded keys, batch-invariantly.
 
     ``k_GBSD``/``v_GBSD`` [kv heads, B, S, head_dim] hold each sequence's
-    positions 0..S-1, exact zeros past its end (S: the fixed padded length);
-    query head h reads kv head h // (H // G). Row (b, r) attends to positions
-    <= positions_BR[b, r]. Both matmuls run in fp32 (tf32 products of
-    bf16-valued inputs are exact) with vLLM's batch-invariant bmm: a row's
-    result does not depend on B, R or which other rows share its tile.
+    positions 0..S-1 (S a multiple of ``KEY_TILE``); what lies past a row's
+    position is masked and only has to be finite. Query head h reads kv head
+    h // (H // G). Row (b, r) attends to positions <= positions_BR[b, r]. A
+    row's result depends on its own query, keys and position only: not on B,
+    R, S or the other rows.
+    """
+    assert k_GBSD.shape[2] % KEY_TILE == 0, f"keys padded to {k_GBSD.shape[2]}, not a multiple of {KEY_TILE}"
+    return (attend_mm if q_BRHD.is_cuda else attend)(q_BRHD, k_GBSD, v_GBSD, positions_BR, scale=scale)
+
+
+def attend(q_BRHD, k_GBSD, v_GBSD, positions_BR, *, scale: float) -> torch.Tensor:
+    """CPU ``attention``: elementwise products and torch's reductions.
+
+    Every temporary is contiguous with head_dim innermost, which fixes
+    torch's reduction kernels per element: the score sum over head_dim is an
+    inner reduction, the sum over keys an outer one (4-way interleaved
+    cascade over keys, vectorised across head_dim), softmax sums lane by lane.
+    """
+    B, R, H, D = q_BRHD.shape
+    G, _, S, _ = k_GBSD.shape
+    q = q_BRHD.float().reshape(B, R, G, H // G, 1, D)
+    k = k_GBSD.float().permute(1, 0, 2, 3).reshape(B, 1, G, 1, S, D)
+    v = v_GBSD.float().permute(1, 0, 2, 3).reshape(B, 1, G, 1, S, D)
+    scores = (q * k).sum(-1) * scale  # [B, R, G, rep, S]
+    keep_BR11S = torch.arange(S, device=q.device) <= positions_BR[:, :, None, None, None]
+    probs = torch.softmax(scores.masked_fill(~keep_BR11S, float("-inf")), dim=-1)
+    out = (probs[..., None] * v).sum(-2)  # [B, R, G, rep, D]
+    return out.reshape(B, R, H, D).to(q_BRHD.dtype)
+
+
+def attend_mm(q_BRHD, k_GBSD, v_GBSD, positions_BR, *, scale: float) -> torch.Tensor:
+    """CUDA ``attention``: two fp32 batched matmuls with vLLM's batch-invariant bmm.
+
+    tf32 products of bf16-valued inputs are exact; a row's result does not
+    depend on B, R or which other rows share its tile, and keys are reduced
+    in blocks of 32 from key 0, so padding adds only all-zero blocks.
     """
     bmm = compat.batch_invariant_ops().bmm_batch_invariant
     B, R, H, D = q_BRHD.shape
@@ -161,46 +202,35 @@ def attend_mm(q_BRHD: torch.Tensor, k_GBSD: torch.Tensor, v_GBSD: torch.Tensor, 
     return out_NMD.reshape(G, B, rep, R, D).permute(1, 3, 0, 2, 4).reshape(B, R, H, D).to(q_BRHD.dtype)
 
 
-def seqs_per_chunk(rows_per_seq: int, max_len: int) -> int:
-    """CUDA: how many sequences ``attend_mm`` takes at once (bounds its fp32 temporaries)."""
-    return max(1, min(_ATTN_ROWS // max(rows_per_seq, 1), _ATTN_KEYS // max_len))
-
-
-def _reference_attention(q_BLHD, k_BLGD, v_BLGD, scale):
-    """Plain causal attention (fp32), differentiable: the CUDA backward recomputes through it."""
-    B, L, H, D = q_BLHD.shape
-    G = k_BLGD.shape[2]
-
-    def expand(t_BLGD):  # a view, so the backward is a plain sum (repeat_interleave's is index_add)
-        return t_BLGD.float()[:, :, :, None].expand(B, L, G, H // G, D).reshape(B, L, H, D).transpose(1, 2)
-
-    q, k, v = q_BLHD.float().transpose(1, 2), expand(k_BLGD), expand(v_BLGD)
-    scores = (q @ k.transpose(-1, -2)) * scale
-    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    return (probs @ v).transpose(1, 2).to(q_BLHD.dtype)
+def seqs_per_chunk(rows_per_seq: int, keys: int, *, heads: int, head_dim: int, device: torch.device) -> int:
+    """How many sequences one ``attention`` call takes (bounds its fp32 temporaries)."""
+    rows_per_seq = max(rows_per_seq, 1)
+    if device.type == "cuda":
+        return max(1, min(_ATTN_ROWS // rows_per_seq, _ATTN_KEYS // keys))
+    return max(1, _CPU_ATTN_ELEMENTS // (rows_per_seq * keys * heads * head_dim))
 
 
 class _BIAttention(torch.autograd.Function):
-    """CUDA trainer attention: ``attend_mm`` forward, backward by recomputing plain attention."""
+    """Trainer attention: ``attention`` forward; backward by recomputing SDPA (as default mode)."""
 
     @staticmethod
-    def forward(ctx, q_BLHD, k_BLGD, v_BLGD, max_len, scale):
+    def forward(ctx, q_BLHD, k_BLGD, v_BLGD, scale):
         ctx.save_for_backward(q_BLHD, k_BLGD, v_BLGD)
         ctx.scale = scale
         B, L, H, D = q_BLHD.shape
         G = k_BLGD.shape[2]
-        assert L <= max_len, f"sequence of {L} tokens exceeds max_len {max_len}"
+        S = padded_len(L)
         positions = torch.arange(L, device=q_BLHD.device).expand(B, L)
         out = torch.empty_like(q_BLHD)
-        step = seqs_per_chunk(L, max_len)
+        step = seqs_per_chunk(L, S, heads=H, head_dim=D, device=q_BLHD.device)
         for b in range(0, B, step):
             n = min(step, B - b)
-            k = torch.zeros(G, n, max_len, D, dtype=torch.float32, device=q_BLHD.device)
+            # Keys past L are zeros; those between a row and L are masked.
+            k = q_BLHD.new_zeros(G, n, S, D)
             v = torch.zeros_like(k)
             k[:, :, :L] = k_BLGD[b : b + n].permute(2, 0, 1, 3)
             v[:, :, :L] = v_BLGD[b : b + n].permute(2, 0, 1, 3)
-            out[b : b + n] = attend_mm(q_BLHD[b : b + n], k, v, positions[b : b + n], scale=scale)
+            out[b : b + n] = attention(q_BLHD[b : b + n], k, v, positions[b : b + n], scale=scale)
         return out
 
     @staticmethod
@@ -208,9 +238,11 @@ class _BIAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = _reference_attention(*inputs, ctx.scale)
+            out = F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in inputs), is_causal=True, scale=ctx.scale, enable_gqa=True
+            ).transpose(1, 2)
             grads = torch.autograd.grad(out, inputs, grad_out)
-        return *grads, None, None
+        return *grads, None
 
 
 class _SamplerLogprobs(torch.autograd.Function):
@@ -246,34 +278,15 @@ def sampler_token_logprobs(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, te
     return _SamplerLogprobs.apply(logits_BLV.reshape(B * L, V), tokens_BL.reshape(B * L), temperature).view(B, L)
 
 
-def expand_kv(k_SHD: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """GQA: kv head j serves query heads j*rep .. (j+1)*rep-1."""
-    return k_SHD.repeat_interleave(n_heads // k_SHD.shape[1], dim=1)
-
-
 class BatchInvariantAttention(nn.Module):
     """Trainer-side inner attention: full right-padded sequences, causal."""
 
-    def __init__(self, *, max_len: int) -> None:
-        super().__init__()
-        self.max_len = max_len
-
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale: float | None = None, **_unused):
-        B, L, H, D = q_BLNH.shape
-        scale = scale if scale is not None else D**-0.5
-        if q_BLNH.is_cuda:
-            return _BIAttention.apply(q_BLNH, k_BLNH, v_BLNH, self.max_len, scale)
-        positions = torch.arange(L, device=q_BLNH.device)
-        return torch.stack(
-            [
-                attend(q_BLNH[b], expand_kv(k_BLNH[b], H), expand_kv(v_BLNH[b], H), positions,
-                       max_len=self.max_len, scale=scale)
-                for b in range(B)
-            ]
-        )
+        scale = scale if scale is not None else q_BLNH.shape[-1] ** -0.5
+        return _BIAttention.apply(q_BLNH, k_BLNH, v_BLNH, scale)
 
 
-def make_batch_invariant(model: nn.Module, *, max_len: int, replace_attention: bool, device: torch.device) -> None:
+def make_batch_invariant(model: nn.Module, *, replace_attention: bool, device: torch.device) -> None:
     """Switch a torchtitan Qwen3 to the batch-invariant kernels of ``device`` in place."""
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -285,4 +298,4 @@ def make_batch_invariant(model: nn.Module, *, max_len: int, replace_attention: b
             module.forward = bi_rms_norm_forward.__get__(module)
     if replace_attention:
         for layer in model.layers.values():
-            layer.attention.inner_attention = BatchInvariantAttention(max_len=max_len)
+            layer.attention.inner_attention = BatchInvariantAttention()

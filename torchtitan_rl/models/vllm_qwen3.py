@@ -23,21 +23,20 @@ LORA_KEY = "torchtitan_rl_lora"
 """hf_overrides key: LoRAConfig fields when the generator applies adapters unmerged."""
 
 BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
-"""hf_overrides key: > 0 switches the generator's model to the batch-invariant
-kernels (models/batch_invariant.py), whose attention pads every sequence to
-this length (model.max_seq_len, the same length the trainer pads to)."""
+"""hf_overrides key: true switches the generator's model to the batch-invariant
+kernels (models/batch_invariant.py), the same the trainer runs."""
 
 
 class PagedAttention(nn.Module):
     """Stands in for torchtitan's inner attention; vLLM's layer keeps the KV cache.
 
-    In batch-invariant mode (``bi_max_len`` set) it keeps its own copy of
-    each token's K/V by vLLM's slot mapping and attends with the same
-    fixed-length kernel the trainer uses (models/batch_invariant.py): on CPU
-    ``attend`` per sequence, on CUDA ``attend_mm`` over chunks of sequences.
+    In batch-invariant mode it keeps its own copy of each token's K/V by
+    vLLM's slot mapping and attends with the kernel the trainer uses
+    (``batch_invariant.attention``), over chunks of sequences whose keys are
+    gathered from that copy and padded to a multiple of ``KEY_TILE``.
     """
 
-    def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str, bi_max_len: int | None = None) -> None:
+    def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str, batch_invariant: bool = False) -> None:
         super().__init__()
         self.attn = compat.vllm_attention_cls()(
             num_heads=shape.num_attention_heads,
@@ -49,16 +48,14 @@ class PagedAttention(nn.Module):
         )
         self.layer_name = prefix
         self.block_size = cache_config.block_size
-        self.bi_max_len = bi_max_len
+        self.batch_invariant = batch_invariant
         self.scale = shape.head_dim**-0.5
-        self._kv_slots: torch.Tensor | None = None  # CPU: [slots, 2, n_kv, head_dim]
-        self._kv_rows: torch.Tensor | None = None  # CUDA: [2, n_kv, rows, head_dim], row = slot + 2
+        self._kv_rows: torch.Tensor | None = None  # [2, n_kv, rows, head_dim], row = slot + 2
 
     def forward(self, q_BLNH, k_BLNH, v_BLNH, **_unused) -> torch.Tensor:
         B, L, N, H = q_BLNH.shape
-        if self.bi_max_len is not None:
-            bi = self._batch_invariant_cuda if q_BLNH.is_cuda else self._batch_invariant
-            return bi(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
+        if self.batch_invariant:
+            return self._batch_invariant(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
         out_TD = self.attn(
             q_BLNH.reshape(B * L, N * H),
             k_BLNH.reshape(B * L, -1),
@@ -74,46 +71,13 @@ class PagedAttention(nn.Module):
         return md.get(self.layer_name) if isinstance(md, dict) else None
 
     def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
-        from torchtitan_rl.models.batch_invariant import attend, expand_kv
+        from torchtitan_rl.models.batch_invariant import attention
 
         out = torch.zeros_like(q_TNH)
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return out
-        T = md.num_actual_tokens
-        slots = md.slot_mapping[:T].long()
-        needed = int(slots.max()) + 1
-        if self._kv_slots is None or self._kv_slots.shape[0] < needed:
-            grown = torch.zeros(max(needed, 2 * (0 if self._kv_slots is None else self._kv_slots.shape[0])),
-                                2, *k_TKH.shape[1:], dtype=k_TKH.dtype, device=k_TKH.device)
-            if self._kv_slots is not None:
-                grown[: self._kv_slots.shape[0]] = self._kv_slots
-            self._kv_slots = grown
-        self._kv_slots[slots, 0] = k_TKH[:T]
-        self._kv_slots[slots, 1] = v_TKH[:T]
-        starts = md.query_start_loc.tolist()
-        for i, seq_len in enumerate(md.seq_lens.tolist()[: len(starts) - 1]):
-            q0, q1 = starts[i], starts[i + 1]
-            if q1 == q0:
-                continue
-            pos = torch.arange(seq_len, device=q_TNH.device)
-            seq_slots = md.block_table[i, pos // self.block_size].long() * self.block_size + pos % self.block_size
-            kv = self._kv_slots[seq_slots]
-            positions = torch.arange(seq_len - (q1 - q0), seq_len, device=q_TNH.device)
-            out[q0:q1] = attend(
-                q_TNH[q0:q1], expand_kv(kv[:, 0], q_TNH.shape[1]), expand_kv(kv[:, 1], q_TNH.shape[1]),
-                positions, max_len=self.bi_max_len, scale=self.scale,
-            )
-        return out
-
-    def _batch_invariant_cuda(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
-        from torchtitan_rl.models.batch_invariant import attend_mm
-
-        out = torch.zeros_like(q_TNH)
-        md = self._metadata()
-        if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
-            return out
-        plan = _bi_plan(md, max_len=self.bi_max_len, block_size=self.block_size)
+        plan = _bi_plan(md, block_size=self.block_size, heads=q_TNH.shape[1], head_dim=q_TNH.shape[2])
         if self._kv_rows is None or self._kv_rows.shape[2] < plan.rows_needed:
             have = 0 if self._kv_rows is None else self._kv_rows.shape[2]
             grown = k_TKH.new_zeros(2, k_TKH.shape[1], max(plan.rows_needed, have + have // 4), k_TKH.shape[2])
@@ -124,9 +88,12 @@ class PagedAttention(nn.Module):
         self._kv_rows[0][:, plan.rows_T] = k_TKH[:T].transpose(0, 1)
         self._kv_rows[1][:, plan.rows_T] = v_TKH[:T].transpose(0, 1)
         for c in plan.chunks:
-            kv = self._kv_rows[:, :, c.kv_rows]  # [2, n_kv, seqs, max_len, head_dim], zeros past each end
-            out_BRNH = attend_mm(q_TNH[c.q_index], kv[0], kv[1], c.positions, scale=self.scale)
-            out[c.out_index] = out_BRNH.flatten(0, 1)[c.real]
+            kv = self._kv_rows[:, :, c.kv_rows]  # [2, n_kv, seqs, keys, head_dim], row 0 (zeros) past each end
+            out_BRNH = attention(q_TNH[c.q_index], kv[0], kv[1], c.positions, scale=self.scale)
+            if c.real is None:
+                out[c.q_index.flatten()] = out_BRNH.flatten(0, 1)
+            else:
+                out[c.out_index] = out_BRNH.flatten(0, 1)[c.real]
         return out
 
 
@@ -137,11 +104,11 @@ class _Chunk:
     positions: torch.Tensor
     """[seqs, rows] position of each query row in its sequence."""
     kv_rows: torch.Tensor
-    """[seqs, max_len] store row of positions 0..max_len-1 (0, the zero row, past the end)."""
-    real: torch.Tensor
-    """Indices of the real rows among the flattened [seqs * rows]."""
-    out_index: torch.Tensor
-    """Token index of each real row."""
+    """[seqs, keys] store row of positions 0..keys-1 (0, the zero row, past the end)."""
+    real: torch.Tensor | None
+    """Indices of the real rows among the flattened [seqs * rows]; None when all are (one row each)."""
+    out_index: torch.Tensor | None
+    """Token index of each real row (with ``real``)."""
 
 
 @dataclass
@@ -153,51 +120,73 @@ class _Plan:
 
 
 _last_plan: tuple[object, _Plan] | None = None
+_block_size_checked = False
 
 
-def _bi_plan(md, *, max_len: int, block_size: int) -> _Plan:
-    """CUDA batch-invariant attention: what every layer of this forward gathers (built once per forward)."""
-    global _last_plan
+def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
+    """Batch-invariant attention: what every layer of this forward gathers (built once per forward).
+
+    Keys are padded to ``padded_len`` of the longest sequence in the forward
+    (md.max_seq_len, known on the host). Built from the metadata's tensors on
+    their device; the host only learns the store size (one small copy per
+    forward, when vLLM has just synchronised for the previous step's tokens)
+    and, in forwards with prefills, each sequence's number of new tokens, to
+    group sequences by it (few padded rows).
+    """
+    global _last_plan, _block_size_checked
     if _last_plan is not None and _last_plan[0] is md:
         return _last_plan[1]
-    from torchtitan_rl.models.batch_invariant import seqs_per_chunk
+    from torchtitan_rl.models.batch_invariant import padded_len, seqs_per_chunk
 
     device = md.slot_mapping.device
     slots = md.slot_mapping[: md.num_actual_tokens].long()
     rows_T = torch.where(slots >= 0, slots + 2, 1)
-    starts = md.query_start_loc.tolist()
-    n_q = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-    seq_lens = md.seq_lens.tolist()[: len(n_q)]
-    assert max(seq_lens, default=0) <= max_len, f"a sequence exceeds model.max_seq_len {max_len}"
-    # Sequences with the same number of query rows together (decodes: 1), few padded rows.
-    order = sorted((i for i in range(len(n_q)) if n_q[i]), key=n_q.__getitem__)
-    pos_S = torch.arange(max_len, device=device)
+    starts = md.query_start_loc.long()
+    n_seqs = starts.shape[0] - 1
+    n_q = starts[1:] - starts[:-1]
+    seq_lens = md.seq_lens[:n_seqs].long()
+    keys = padded_len(md.max_seq_len)
+    pos_S = torch.arange(keys, device=device)
+    block_of_S = (pos_S // block_size).clamp(max=md.block_table.shape[1] - 1)
+    if md.max_query_len == 1:  # decodes only: one row per sequence, in order
+        groups = [(torch.arange(n_seqs, device=device), 1, None)]
+    else:  # sequences with the same number of new tokens together
+        n_q_host = n_q.tolist()
+        order = sorted((i for i in range(n_seqs) if n_q_host[i]), key=n_q_host.__getitem__)
+        groups = []
+        i = 0
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and j + 1 - i <= seqs_per_chunk(
+                n_q_host[order[j]], keys, heads=heads, head_dim=head_dim, device=device
+            ):
+                j += 1
+            seqs = order[i:j]
+            groups.append((torch.tensor(seqs, device=device), n_q_host[seqs[-1]], [n_q_host[s] for s in seqs]))
+            i = j
     chunks = []
-    i = 0
-    while i < len(order):
-        j = i + 1
-        while j < len(order) and j + 1 - i <= seqs_per_chunk(n_q[order[j]], max_len):
-            j += 1
-        seqs = order[i:j]
-        start = torch.tensor([starts[s] for s in seqs])
-        nq = torch.tensor([n_q[s] for s in seqs])
-        seq_len = torch.tensor([seq_lens[s] for s in seqs])
-        r = torch.arange(int(nq.max()))
-        offset = torch.minimum(r[None], nq[:, None] - 1)
-        q_index = start[:, None] + offset
-        real = (r[None] < nq[:, None]).flatten().nonzero().squeeze(1)
-        blocks = md.block_table[torch.tensor(seqs, device=device)].long()
-        blocks = blocks[:, (pos_S // block_size).clamp(max=blocks.shape[1] - 1)]
-        kv_rows = torch.where(pos_S < seq_len.to(device)[:, None], blocks * block_size + pos_S % block_size + 2, 0)
-        chunks.append(_Chunk(
-            q_index=q_index.to(device), positions=(seq_len[:, None] - nq[:, None] + offset).to(device),
-            kv_rows=kv_rows, real=real.to(device), out_index=q_index.flatten()[real].to(device),
-        ))
-        i = j
-    for c in chunks:  # the block table and the slot mapping must agree on where new tokens go
-        assert torch.equal(c.kv_rows.gather(1, c.positions[:, -1:]), rows_T[c.q_index[:, -1:]]), (
-            "block table and slot mapping disagree (block size?)"
-        )
+    for seqs, rows, n_q_group in groups:
+        step = seqs_per_chunk(rows, keys, heads=heads, head_dim=head_dim, device=device)
+        for c in range(0, len(seqs), step):
+            s = seqs[c : c + step]
+            nq, seq_len = n_q[s][:, None], seq_lens[s][:, None]
+            offset = torch.minimum(torch.arange(rows, device=device), nq - 1)
+            q_index = starts[s][:, None] + offset
+            blocks = md.block_table[s].long()[:, block_of_S]
+            kv_rows = torch.where(pos_S < seq_len, blocks * block_size + pos_S % block_size + 2, 0)
+            real = out_index = None
+            if rows > 1:
+                real_host = torch.tensor([r < n for n in n_q_group[c : c + step] for r in range(rows)])
+                real = real_host.nonzero().squeeze(1).to(device)
+                out_index = q_index.flatten()[real]
+            chunks.append(_Chunk(q_index=q_index, positions=seq_len - nq + offset, kv_rows=kv_rows,
+                                 real=real, out_index=out_index))
+    if not _block_size_checked:  # once: the block table and the slot mapping agree on where new tokens go
+        for c in chunks:
+            assert torch.equal(c.kv_rows.gather(1, c.positions[:, -1:]), rows_T[c.q_index[:, -1:]]), (
+                "block table and slot mapping disagree (block size?)"
+            )
+        _block_size_checked = True
     plan = _Plan(rows_T=rows_T, rows_needed=int(rows_T.max()) + 1 if len(rows_T) else 2, chunks=chunks)
     _last_plan = (md, plan)
     return plan
@@ -216,19 +205,19 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
         self.shape = Qwen3Shape.from_hf_config(hf_config)
         self.model = titan_config(self.shape).build()
         # Batch-invariant mode (flag carried in hf_overrides).
-        bi_max_len = hf_config.get(BATCH_INVARIANT_KEY, 0) or None
+        batch_invariant = bool(hf_config.get(BATCH_INVARIANT_KEY, False))
         for i, layer in enumerate(self.model.layers.values()):
             layer.attention.inner_attention = PagedAttention(
                 shape=self.shape,
                 cache_config=vllm_config.cache_config,
                 prefix=f"{prefix}model.layers.{i}.attention.inner_attention",
-                bi_max_len=bi_max_len,
+                batch_invariant=batch_invariant,
             )
-        if bi_max_len:
+        if batch_invariant:
             from torchtitan_rl.models.batch_invariant import make_batch_invariant
 
             device = torch.device("cpu" if compat.vllm_on_cpu() else "cuda")
-            make_batch_invariant(self.model, max_len=bi_max_len, replace_attention=False, device=device)
+            make_batch_invariant(self.model, replace_attention=False, device=device)
         lora = hf_config.get(LORA_KEY)
         if lora:
             # Adapter applied unmerged at generation time, its tensors one flat buffer.

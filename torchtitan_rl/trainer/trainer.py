@@ -105,10 +105,9 @@ class Trainer:
         if model_config.hf_checkpoint is not None:
             load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
         if batch_invariant:
-            # The generator runs the same kernels (models/vllm_qwen3.py), padding
-            # attention to the same length, so logprobs match bit for bit.
-            make_batch_invariant(model, max_len=model_config.max_seq_len, replace_attention=True,
-                                 device=self.device)
+            # The generator runs the same kernels (models/vllm_qwen3.py), so
+            # logprobs match bit for bit.
+            make_batch_invariant(model, replace_attention=True, device=self.device)
         self._sampler_logprobs = batch_invariant and self.device.type == "cuda"
         """Compute token logprobs with vLLM's GPU sampler kernels (batch-invariant mode on CUDA)."""
         if model_config.lora.rank:
