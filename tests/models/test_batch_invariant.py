@@ -9,6 +9,7 @@ different lengths.
 import pytest
 import torch
 
+from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
 from torchtitan_rl.models import batch_invariant as bi
 from torchtitan_rl.trainer import Trainer
@@ -22,9 +23,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def one_thread():
     """Batch-invariant mode runs torch single-threaded on CPU; restored for the other tests."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    compat.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
+    compat.set_num_threads(threads)
 
 
 def _randn(*shape, g, device):
@@ -99,3 +100,23 @@ def test_trainer_logprobs_do_not_depend_on_the_longest_sequence_in_the_batch(tmp
         together = trainer.token_logprobs(batch, temperature=1.0)
         assert torch.equal(together[0, :10], alone), longest
         assert torch.equal(together[2, :5], alone[:5]), longest
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_trainer_attention_matches_sdpa_and_takes_its_gradients(device):
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    g = torch.Generator().manual_seed(3)
+    q = _randn(3, 21, 4, 32, g=g, device=device).bfloat16().requires_grad_()
+    k, v = (_randn(3, 21, 2, 32, g=g, device=device).bfloat16().requires_grad_() for _ in range(2))
+    grad_out = _randn(3, 21, 4, 32, g=g, device=device).bfloat16()
+    sdpa = ScaledDotProductAttention.Config().build()
+
+    got = bi.BatchInvariantAttention()(q, k, v, scale=0.2)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
+    want = sdpa(q, k, v, scale=0.2, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)  # bf16 outputs, summed in other orders
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)

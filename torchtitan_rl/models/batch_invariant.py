@@ -211,12 +211,12 @@ def seqs_per_chunk(rows_per_seq: int, keys: int, *, heads: int, head_dim: int, d
 
 
 class _BIAttention(torch.autograd.Function):
-    """Trainer attention: ``attention`` forward; backward by recomputing SDPA (as default mode)."""
+    """Trainer attention: ``attention`` forward; backward through default mode's SDPA, recomputed."""
 
     @staticmethod
-    def forward(ctx, q_BLHD, k_BLGD, v_BLGD, scale):
+    def forward(ctx, q_BLHD, k_BLGD, v_BLGD, scale, sdpa):
         ctx.save_for_backward(q_BLHD, k_BLGD, v_BLGD)
-        ctx.scale = scale
+        ctx.scale, ctx.sdpa = scale, sdpa
         B, L, H, D = q_BLHD.shape
         G = k_BLGD.shape[2]
         S = padded_len(L)
@@ -238,11 +238,9 @@ class _BIAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = F.scaled_dot_product_attention(
-                *(t.transpose(1, 2) for t in inputs), is_causal=True, scale=ctx.scale, enable_gqa=True
-            ).transpose(1, 2)
+            out = ctx.sdpa(*inputs, scale=ctx.scale, enable_gqa=q.shape[2] != k.shape[2])
             grads = torch.autograd.grad(out, inputs, grad_out)
-        return *grads, None
+        return *grads, None, None
 
 
 class _SamplerLogprobs(torch.autograd.Function):
@@ -281,15 +279,22 @@ def sampler_token_logprobs(logits_BLV: torch.Tensor, tokens_BL: torch.Tensor, te
 class BatchInvariantAttention(nn.Module):
     """Trainer-side inner attention: full right-padded sequences, causal."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        # Default mode's attention (backend choice included): it gives the gradients.
+        self.sdpa = ScaledDotProductAttention.Config().build()
+
     def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale: float | None = None, **_unused):
         scale = scale if scale is not None else q_BLNH.shape[-1] ** -0.5
-        return _BIAttention.apply(q_BLNH, k_BLNH, v_BLNH, scale)
+        return _BIAttention.apply(q_BLNH, k_BLNH, v_BLNH, scale, self.sdpa)
 
 
 def make_batch_invariant(model: nn.Module, *, replace_attention: bool, device: torch.device) -> None:
     """Switch a torchtitan Qwen3 to the batch-invariant kernels of ``device`` in place."""
     if device.type == "cpu":
-        torch.set_num_threads(1)
+        compat.set_num_threads(1)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = bi_linear_forward.__get__(module)
