@@ -71,16 +71,17 @@ def test_attention_rows_do_not_depend_on_padding_batch_or_decode(device, heads, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_linear_rows_do_not_depend_on_their_batch_or_position(device):
+@pytest.mark.parametrize("out_features,in_features", [(192, 64), (16, 64), (1024, 3072)])
+def test_linear_rows_do_not_depend_on_their_batch_or_position(device, out_features, in_features):
     g = torch.Generator().manual_seed(1)
     # CPU: fp32 shows the GEMM's last bit; CUDA: bf16 runs the kernel config the model uses.
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    w = _randn(192, 64, g=g, device=device).to(dtype)
-    row = _randn(1, 64, g=g, device=device).to(dtype)
+    w = _randn(out_features, in_features, g=g, device=device).to(dtype)
+    row = _randn(1, in_features, g=g, device=device).to(dtype)
     want = bi.bi_linear(row, w)[0]
     for rows in (2, 7, 130):
         for pos in range(rows if rows < 130 else 128):  # every position of a row block
-            x = _randn(rows, 64, g=g, device=device).to(dtype)
+            x = _randn(rows, in_features, g=g, device=device).to(dtype)
             x[pos] = row[0]
             assert torch.equal(bi.bi_linear(x, w)[pos], want), (rows, pos)
 
@@ -119,4 +120,7 @@ def test_trainer_attention_matches_sdpa_and_takes_its_gradients(device):
 
     torch.testing.assert_close(got, want, atol=2e-2, rtol=0)  # bf16 outputs, summed in other orders
     for a, b in zip(got_grads, want_grads):
-        assert torch.equal(a, b)
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:  # flash backward accumulates with atomics outside deterministic mode
+            torch.testing.assert_close(a, b)
