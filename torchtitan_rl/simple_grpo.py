@@ -30,6 +30,14 @@ def main(argv: list[str] | None = None) -> None:
         # weights) name the field or tensor; one line, no traceback.
         print(f"torchtitan_rl: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    # After a successful run only (as torchtitan: after a failure some ranks may
+    # still be inside a collective). Left to interpreter teardown, gloo's worker
+    # threads can still hold tensors and abort a finished rank (SIGABRT, "terminate
+    # called without an active exception", seen once in a 3-process CPU run).
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run(cfg: JobConfig) -> list[dict]:
