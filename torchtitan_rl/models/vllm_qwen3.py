@@ -148,7 +148,7 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
     keys = padded_len(md.max_seq_len)
     pos_S = torch.arange(keys, device=device)
     block_of_S = (pos_S // block_size).clamp(max=md.block_table.shape[1] - 1)
-    if md.max_query_len == 1:  # decodes only: one row per sequence, in order
+    if md.max_query_len == 1:  # decodes only: one row per sequence (eager: the batch holds scheduled requests only)
         groups = [(torch.arange(n_seqs, device=device), 1, None)]
     else:  # sequences with the same number of new tokens together
         n_q_host = n_q.tolist()
