@@ -1,12 +1,17 @@
 """Shared by the tests: a tiny Qwen3, a generator on it, and a reference forward."""
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 from torchtitan_rl.config import GeneratorConfig, ModelConfig
 from torchtitan_rl.models.qwen3 import Qwen3Shape, build_titan_model, resolve_shape
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPTS = [[1, 4, 5, 6, 14], [1, 7, 7, 2, 14], [1, 13, 4, 9, 14]]
 
@@ -70,3 +75,31 @@ def max_logprob_error(rollouts, model) -> float:
         (torch.tensor(lps) - reference_logprobs(model, p, c)).abs().max().item()
         for p, c, lps in zip(rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs)
     )
+
+
+# ------------------------------------------------------------- the CLI as a user runs it
+
+
+def run_cli(*args, world_size=None, cwd=None):
+    """python -m torchtitan_rl.simple_grpo ARGS in a subprocess (WORLD_SIZE only when given)."""
+    cwd = cwd or REPO
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    if world_size is not None:
+        env["WORLD_SIZE"] = str(world_size)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_rl.simple_grpo", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def assert_one_line_error(proc, *expected):
+    """Exit 2 and one 'config error: ...' line on stderr holding every ``expected`` text."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("config error: "), lines[0]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]

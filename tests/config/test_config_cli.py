@@ -9,31 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import assert_one_line_error, run_cli
 from torchtitan_rl.config import load_toml, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(*args, world_size=None, cwd=REPO):
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    if world_size is not None:
-        env["WORLD_SIZE"] = str(world_size)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.simple_grpo", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-
-
-def assert_one_line_error(proc, *expected):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("config error: "), lines[0]
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture

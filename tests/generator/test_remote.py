@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.config.test_config_cli import assert_one_line_error, run_cli
+from tests.helpers import assert_one_line_error, run_cli
 from tests.helpers import LOGPROB_ATOL, free_port
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml, validate

@@ -136,7 +136,7 @@ def serve(cfg: JobConfig, *, world: World, shape: Qwen3Shape, workdir: Path) -> 
         mailbox = _Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer="trainer")
         if mailbox.get("msg", "start message")["op"] == "stop":  # the trainer failed before its first sync
             return
-        receiver = NcclReceiver(generator=generator, world=world)
+        receiver = NcclReceiver(generator=generator, world=world, timeout_s=cfg.weight_sync.peer_timeout_s)
         while True:
             request = mailbox.get("msg", "request")
             op = request.pop("op")

@@ -261,7 +261,7 @@ class NcclSender:
     ``bucket_bytes`` overrides ``config.bucket_mb`` (tests use a few KiB to get
     many buckets out of a tiny model); it may be changed between syncs.
     ``timeout_s`` bounds the wait for the generator's plan (its engine starts
-    meanwhile); None waits as long as it takes.
+    meanwhile) and for its answer to each sync; None waits as long as it takes.
     """
 
     def __init__(self, config: WeightSyncConfig, *, reference: dict[str, torch.Tensor], world: World,
@@ -272,6 +272,7 @@ class NcclSender:
         """Validation, key order, tied keys and the unchanged-buffer skip, as in place."""
         self.store = dist.PrefixStore(f"{_PREFIX}/{name}", world.store)
         self.bucket_bytes = bucket_bytes or config.bucket_mb << 20
+        self.timeout_s = timeout_s
         self.syncs = 0
         """Syncs published so far (rejected ones are not)."""
         if world.sender:
@@ -309,7 +310,9 @@ class NcclSender:
                 "bucket_bytes": limit, "verify": self.config.verify, "samples": self.config.verify_samples,
             }))
         flags = self._send(state, keys, check, limit)
-        answer = _get(self.store, f"ack/{n}", None)
+        answer = _get(self.store, f"ack/{n}", self.timeout_s)
+        if answer is None:
+            raise RuntimeError(f"weight_sync: no answer from the generator to sync {n} within {self.timeout_s} s")
         if answer == "rejected":
             ws.raise_problems(flags, keys)  # every rank holds the reduced flags: all raise alike
             raise AssertionError("the generator rejected a sync whose scan was clean")
@@ -390,13 +393,18 @@ class NcclReceiver:
     never has a sync start under a running generation. generate() calls made
     after the sync began wait in the generator's own gate (they need
     ``generator.wait_for_weights_s`` > 0 to wait rather than raise).
+    ``timeout_s`` bounds the wait for the trainer's tensor list; None waits
+    as long as it takes.
     """
 
-    def __init__(self, *, generator, world: World, name: str = "weights"):
+    def __init__(self, *, generator, world: World, name: str = "weights", timeout_s: float | None = None):
         assert world.role == "generator"
         self.generator, self.world = generator, world
         self.store = dist.PrefixStore(f"{_PREFIX}/{name}", world.store)
-        self.plan = self._build_plan(json.loads(_get(self.store, "sources", None)))
+        sources = _get(self.store, "sources", timeout_s)
+        if sources is None:
+            raise RuntimeError(f"weight_sync: no tensor list from the trainer within {timeout_s} s (did it start?)")
+        self.plan = self._build_plan(json.loads(sources))
         self.entries = {e.source: e for e in self.plan.entries}
         self.keys = [e.source for e in self.plan.entries]
         # Wire layout as the destinations' shapes (same elements as the trainer's): the unpack needs no reshape.
