@@ -22,7 +22,6 @@ on the other side could make endless gives up after
 
 import pickle
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.generator.generator import Generator, Rollouts
 from torchtitan_rl.models.qwen3 import Qwen3Shape
 from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
+from torchtitan_rl.weight_sync.nccl import store_value
 
 _PREFIX = "torchtitan_rl/generator"
 _POLL_S = 1.0
@@ -58,18 +58,13 @@ class _Mailbox:
 
     def get(self, box: str, what: str):
         key = f"{box}/{self.read[box]}"
-        deadline = time.monotonic() + self.timeout_s
-        while True:  # waits in slices, as weight_sync/nccl.py's _get does
-            try:
-                self.store.wait([key], timedelta(seconds=max(0.001, min(60.0, deadline - time.monotonic()))))
-                break
-            except dist.DistStoreError:
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
-                        f"({self.timeout_s:g} s); did it crash?"
-                    ) from None
-        value = pickle.loads(self.store.get(key))
+        raw = store_value(self.store, key, self.timeout_s)
+        if raw is None:
+            raise RuntimeError(
+                f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
+                f"({self.timeout_s:g} s); did it crash?"
+            )
+        value = pickle.loads(raw)
         self.store.delete_key(key)
         self.read[box] += 1
         return value

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
-from torchtitan_rl.weight_sync.dtensor import full_many, local as _local
+from torchtitan_rl.weight_sync.dtensor import local as _local
 from torchtitan_rl.weight_sync.sync import SyncStats, WeightSync
 from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
@@ -191,17 +191,26 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _get(store: dist.Store, key: str, timeout_s: float | None) -> str | None:
-    """The value of ``key`` once set; None after ``timeout_s`` (None: wait forever)."""
+def store_value(store: dist.Store, key: str, timeout_s: float | None) -> bytes | None:
+    """The value of ``key`` once set; None after ``timeout_s`` (None: wait forever).
+
+    Waits in slices of at most 60 s: one store.wait with the whole timeout
+    would hit the store's own default limit first.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         wait = 60.0 if deadline is None else max(0.001, min(60.0, deadline - time.monotonic()))
         try:
             store.wait([key], timedelta(seconds=wait))
-            return store.get(key).decode()
+            return store.get(key)
         except dist.DistStoreError:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+
+
+def _get(store: dist.Store, key: str, timeout_s: float | None) -> str | None:
+    value = store_value(store, key, timeout_s)
+    return None if value is None else value.decode()
 
 
 @dataclass
@@ -356,8 +365,8 @@ class NcclSender:
         for i, bucket in enumerate(buckets):
             if i == _LEAD:
                 verdict = self._verdict(flags)
-            # Every trainer rank joins the gathers (one all-gather per bucket for FSDP shards, cast first).
-            sources = full_many([state[k] for k in bucket.keys], [self.layout[k][0] for k in bucket.keys])
+            # Every trainer rank joins the gathers (FSDP shards cast to the wire dtype first).
+            sources = self.ws.sources(state, bucket.keys, [self.layout[k][0] for k in bucket.keys])
             if sender:
                 slot = i % 2
                 if works[slot] is not None:
@@ -498,9 +507,9 @@ class NcclReceiver:
         if verdict.item():  # one host sync; the buckets in flight are not unpacked
             for i in range(lead, len(buckets)):
                 post(i)
-            if check:
-                _broadcast(pair, torch.empty(len(check & set(keys)), 2, dtype=torch.float64,
-                                             device=self.world.device), root=0).wait()
+            if check:  # the sender's checksums of the tensors it packed
+                _broadcast(pair, torch.empty(len(check), 2, dtype=torch.float64, device=self.world.device),
+                           root=0).wait()
             for w in works:
                 w.wait()
             return None

@@ -191,13 +191,21 @@ class WeightSync:
             same = flags.tolist()
         return {k for k, s in zip(candidates, same) if s}
 
+    def sources(self, state: dict[str, torch.Tensor], keys: list[str],
+                dtypes: list[torch.dtype] | None = None) -> list[torch.Tensor]:
+        """The whole tensors of ``keys``, collectively on every rank: one all-gather
+        per bucket for FSDP shards (in ``dtypes`` when given), local tensors as they
+        are when the startup layout had nothing to gather (decided once, not per tensor)."""
+        if not self.gathered:
+            return [_local(state[k]) for k in keys]
+        return full_many([state[k] for k in keys], dtypes)
+
     def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
         verified = 0
         for bucket in self._buckets(keys):
-            # Gathers collectively on every rank (one all-gather per bucket for FSDP shards).
-            sources = full_many([state[k] for k in bucket]) if self.gathered else [_local(state[k]) for k in bucket]
+            sources = self.sources(state, bucket)
             if self.plan is None:
                 continue
             dests = [entries[k].dest for k in bucket]
