@@ -6,13 +6,7 @@
 # Runs scripts/bench_nccl_sync.py under torchrun (NCCL_FLAVORS, default "0.6B 1.7B"; NCCL_ARGS for more flags):
 # correctness on this layout, ours vs a raw broadcast of the same bytes vs vLLM's NCCL engine.
 # Writes $OUT/nccl_sync.json, $OUT/nccl_topo.txt and $OUT/benchmarks.md (merge with scripts/gpu/merge_sections.py).
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-# NVLink multicast stays off (KINDS.md): it can take the host's shared GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+source "$(dirname "$0")/multi_gpu_env.sh"  # cd to the repo, $OUT, NVLink multicast off
 # NCCL's setup lines say which transport the two GPUs use (P2P/NVLink, SHM, ...).
 export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader

@@ -9,13 +9,7 @@
 # (GEN_MEM: the generator's gpu_memory_utilization on its own GPU, default 0.8; GRPO_ARGS: more
 # --section.field overrides). Writes $OUT/nccl_grpo_metrics.jsonl, $OUT/nccl_grpo_summary.json and
 # $OUT/nccl_grpo_full.log.
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/gpu_out}
-mkdir -p "$OUT"
-# NVLink multicast stays off (KINDS.md): it can take the host's shared GPUs out of service.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+source "$(dirname "$0")/multi_gpu_env.sh"  # cd to the repo, $OUT, NVLink multicast off
 NPROC=${NPROC:-2}
 STEPS=${GRPO_STEPS:-10}
 work=$(mktemp -d /tmp/nccl_grpo.XXXXXX)
