@@ -3,9 +3,9 @@
 Same config, default mode first. On CPU both modes run single-threaded
 (batch-invariant mode needs it; default mode gets the same for a fair
 ratio). On CUDA each mode runs in its own process (vLLM engines keep their
-GPU memory; the batch-invariant overrides are process-wide); batch-invariant
-mode runs the generator eager (no CUDA graphs), default mode as the config
-says. --profile prints torch.profiler's top ops (CUDA: kernels) of one more
+GPU memory; the batch-invariant overrides are process-wide); both modes
+run the generator as the config says (CUDA graphs unless enforce_eager).
+--profile prints torch.profiler's top ops (CUDA: kernels) of one more
 generate and train step per mode.
 
     python scripts/bench_batch_invariant.py --config run_configs/cpu_tiny.toml
@@ -156,8 +156,8 @@ def main() -> None:
     body += (
         f"\n{base.grpo.prompts_per_step} prompts x {base.grpo.group_size} samples, up to "
         f"{base.generator.sampling.max_tokens} new tokens, median of {args.repeats} rounds after one warm-up"
-        + ("; batch-invariant generation runs eager, default as configured "
-           f"(enforce_eager={base.generator.enforce_eager}).\n" if device == "cuda" else ".\n")
+        + (f"; generator enforce_eager={base.generator.enforce_eager} in both modes.\n"
+           if device == "cuda" else ".\n")
     )
     write_section(f"Batch-invariant cost ({Path(args.config).stem}, {device})", device=device, body=body)
 

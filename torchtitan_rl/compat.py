@@ -69,10 +69,6 @@ def build_llm_engine(
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_cache_memory_bytes >> 30))
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if batch_invariant:
-            # The batch-invariant attention plans its gathers on the host each
-            # step (models/vllm_qwen3.py), which a CUDA graph cannot replay.
-            kwargs["enforce_eager"] = True
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
     _keep_default_group_on_engine_shutdown()
@@ -160,6 +156,21 @@ def batch_invariant_ops():
     except ImportError:
         from vllm.model_executor.layers import batch_invariant  # vLLM 0.26
     return batch_invariant
+
+
+def vllm_paged_kv_cache(attn, key_TGD: torch.Tensor, value_TGD: torch.Tensor):
+    """Write this step's keys and values into ``attn``'s paged cache with vLLM's
+    own op and return the cache as (keys, values), each [blocks, block_size,
+    kv_heads, head_dim] (views). ``attn`` is vLLM's Attention layer; CUDA, vLLM
+    0.26's FLASH_ATTN backend, whose cache is logically [blocks, kv_heads,
+    block_size, 2 * head_dim] (flash_attn.py, do_kv_cache_update)."""
+    from vllm.forward_context import get_forward_context
+
+    backend = attn.attn_backend.get_name()
+    assert backend == "FLASH_ATTN", f"batch-invariant attention reads FLASH_ATTN's KV cache layout, not {backend}'s"
+    slot_mapping = get_forward_context().slot_mapping[attn.layer_name]
+    attn.impl.do_kv_cache_update(attn, key_TGD, value_TGD, attn.kv_cache, slot_mapping)
+    return attn.kv_cache.transpose(1, 2).split(attn.head_size, dim=-1)
 
 
 def vllm_sampler_logprob_kernels():

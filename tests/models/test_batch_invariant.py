@@ -1,9 +1,9 @@
 """Batch-invariant kernels: a row's result depends on nothing but the row.
 
-Not on the other rows of the batch, not on where it sits among them, and not
-on how far the batch pads attention keys (a multiple of KEY_TILE of its
-longest sequence): the trainer and the generator pad the same sequence to
-different lengths.
+Not on the other rows of the batch, not on where it sits among them, and (CPU
+attention) not on how far the batch pads attention keys (a multiple of
+KEY_TILE of its longest sequence): the trainer and the generator pad the same
+sequence to different lengths. The CUDA attention kernel: test_paged_attention.py.
 """
 
 import pytest
@@ -34,12 +34,13 @@ def _randn(*shape, g, device):
     return torch.randn(*shape, generator=g).to(torch.bfloat16).to(device, torch.float32)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 16), (4, 2, 32), (12, 4, 80), (16, 8, 128)])
 @pytest.mark.parametrize("n", [6, 37, 70])
-def test_attention_rows_do_not_depend_on_padding_batch_or_decode(device, heads, kv_heads, head_dim, n):
+def test_cpu_attention_rows_do_not_depend_on_padding_batch_or_decode(heads, kv_heads, head_dim, n):
     # Sensitive: with keys padded to the exact length (KEY_TILE = 1) torch's
     # CPU softmax and key sum differ in the last bit for some of these rows.
+    # (CUDA: test_paged_attention.py.)
+    device = "cpu"
     g = torch.Generator().manual_seed(n)
     q_LHD = _randn(n, heads, head_dim, g=g, device=device)  # one sequence: positions 0..n-1
     k_GLD, v_GLD = (_randn(kv_heads, n, head_dim, g=g, device=device) for _ in range(2))

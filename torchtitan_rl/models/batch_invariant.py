@@ -6,29 +6,25 @@ sequence (trainer). We get that by construction: every reduction a token's
 output depends on runs in an order fixed by the token itself, with the same
 ops on both sides.
 
-Attention keys are zero-padded to a multiple of ``KEY_TILE`` (``padded_len``)
-of the longest sequence in the call, not to model.max_seq_len: the same
-row sees 16 keys in one batch and 272 in another. That is exact because every
-reduction over keys assigns a key to the same accumulator in the same order
-whatever the padded length, and the keys past a row's position add exact
-zeros (masked scores are -inf, exp(-inf) = 0, 0 * v = 0; adding 0 to a
-partial sum changes no bit):
-
-- CPU softmax sums lane by lane (key i in lane i % vector width) and the
-  key sum of ``attend`` is torch's cascade sum over rows of 4 keys; for any
-  length that is a multiple of 16 neither has a tail handled differently.
-- CUDA ``attend_mm`` reduces keys in vLLM's fp32 bmm, a sequential loop over
-  blocks of 32 keys from key 0: more padding only adds all-zero blocks.
-
-``tests/models/test_batch_invariant.py`` checks it: the same sequence in
-batches whose longest member differs gives the same bits.
+CPU attention keys are zero-padded to a multiple of ``KEY_TILE``
+(``padded_len``) of the longest sequence in the call, not to
+model.max_seq_len: the same row sees 16 keys in one batch and 272 in another.
+That is exact because every reduction over keys assigns a key to the same
+accumulator in the same order whatever the padded length, and the keys past a
+row's position add exact zeros (masked scores are -inf, exp(-inf) = 0,
+0 * v = 0; adding 0 to a partial sum changes no bit): CPU softmax sums lane
+by lane (key i in lane i % vector width) and the key sum of ``attention`` is
+torch's cascade sum over rows of 4 keys; for any length that is a multiple of
+16 neither has a tail handled differently. ``tests/models/test_batch_invariant.py``
+checks it: the same sequence in batches whose longest member differs gives
+the same bits.
 
 CPU:
 
 - Linear: fp32 GEMMs of a fixed shape (64 rows, zero-padded), one per block
   of rows, so the GEMM a row goes through never depends on the batch (a
   test checks every row position of the block gives the same bits).
-- Attention (``attend``): elementwise products and torch's reductions over
+- Attention (``attention``): elementwise products and torch's reductions over
   contiguous, fixed-layout temporaries, so the reduction order per element
   depends on the head dim and key tile only.
 - Single-threaded intra-op: a parallel reduction could split differently
@@ -42,10 +38,9 @@ number of rows):
   mm to cuBLAS, configured through environment variables that only count
   before the process's first matmul, so we call the kernel directly).
 - RMSNorm: vLLM's per-row kernel (torch's fused rms_norm makes no promise).
-- Attention (``attend_mm``): two batched matmuls: q @ K^T, then
-  exp(scores - max) @ [V, 1] (numerator and softmax denominator from the
-  same kernel, so no sum reduction whose split could depend on the number
-  of rows).
+- Attention: our Triton kernel (models/paged_attention.py), which the
+  generator runs on vLLM's paged KV cache and the trainer on its contiguous
+  K/V; no padding.
 - Sampled-token logprobs: the trainer calls the kernels of vLLM's GPU
   sampler (``sampler_token_logprobs``): vLLM keeps the processed logits in
   bf16, and a max/log-sum-exp kernel reading bf16 sums in a different order
@@ -66,8 +61,6 @@ KEY_TILE = 16
 
 _ROW_BLOCK = 64  # CPU linear: rows per GEMM, a fixed shape whatever the batch
 _CPU_ATTN_ELEMENTS = 1 << 24  # CPU attention: sequences x rows x keys x heads x head_dim per chunk (fp32)
-_ATTN_ROWS = 16384  # CUDA attention: sequences x query rows per chunk (scores: H x this x keys fp32)
-_ATTN_KEYS = 128 * 1024  # CUDA attention: sequences x padded keys per chunk (padded fp32 K/V)
 
 
 def padded_len(n: int) -> int:
@@ -143,7 +136,7 @@ def bi_rms_norm_forward(module: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 def attention(q_BRHD: torch.Tensor, k_GBSD: torch.Tensor, v_GBSD: torch.Tensor, positions_BR: torch.Tensor,
               *, scale: float) -> torch.Tensor:
-    """Causal attention of B sequences' query rows over their padded keys, batch-invariantly.
+    """CPU: causal attention of B sequences' query rows over their padded keys, batch-invariantly.
 
     ``k_GBSD``/``v_GBSD`` [kv heads, B, S, head_dim] hold each sequence's
     positions 0..S-1 (S a multiple of ``KEY_TILE``); what lies past a row's
@@ -151,19 +144,15 @@ def attention(q_BRHD: torch.Tensor, k_GBSD: torch.Tensor, v_GBSD: torch.Tensor, 
     h // (H // G). Row (b, r) attends to positions <= positions_BR[b, r]. A
     row's result depends on its own query, keys and position only: not on B,
     R, S or the other rows.
+
+    Elementwise products and torch's reductions: every temporary is
+    contiguous with head_dim innermost, which fixes torch's reduction kernels
+    per element: the score sum over head_dim is an inner reduction, the sum
+    over keys an outer one (4-way interleaved cascade over keys, vectorised
+    across head_dim), softmax sums lane by lane.
     """
+    assert not q_BRHD.is_cuda, "CUDA: paged_attention.attention"
     assert k_GBSD.shape[2] % KEY_TILE == 0, f"keys padded to {k_GBSD.shape[2]}, not a multiple of {KEY_TILE}"
-    return (attend_mm if q_BRHD.is_cuda else attend)(q_BRHD, k_GBSD, v_GBSD, positions_BR, scale=scale)
-
-
-def attend(q_BRHD, k_GBSD, v_GBSD, positions_BR, *, scale: float) -> torch.Tensor:
-    """CPU ``attention``: elementwise products and torch's reductions.
-
-    Every temporary is contiguous with head_dim innermost, which fixes
-    torch's reduction kernels per element: the score sum over head_dim is an
-    inner reduction, the sum over keys an outer one (4-way interleaved
-    cascade over keys, vectorised across head_dim), softmax sums lane by lane.
-    """
     B, R, H, D = q_BRHD.shape
     G, _, S, _ = k_GBSD.shape
     q = q_BRHD.float().reshape(B, R, G, H // G, 1, D)
@@ -176,38 +165,9 @@ def attend(q_BRHD, k_GBSD, v_GBSD, positions_BR, *, scale: float) -> torch.Tenso
     return out.reshape(B, R, H, D).to(q_BRHD.dtype)
 
 
-def attend_mm(q_BRHD, k_GBSD, v_GBSD, positions_BR, *, scale: float) -> torch.Tensor:
-    """CUDA ``attention``: two fp32 batched matmuls with vLLM's batch-invariant bmm.
-
-    tf32 products of bf16-valued inputs are exact; a row's result does not
-    depend on B, R or which other rows share its tile, and keys are reduced
-    in blocks of 32 from key 0, so padding adds only all-zero blocks.
-    """
-    bmm = compat.batch_invariant_ops().bmm_batch_invariant
-    B, R, H, D = q_BRHD.shape
-    G, _, S, _ = k_GBSD.shape
-    rep = H // G
-    # Rows of one kv head's batch entry: (query head in group, row).
-    q_NMD = q_BRHD.float().reshape(B, R, G, rep, D).permute(2, 0, 3, 1, 4).reshape(G * B, rep * R, D)
-    k_NSD = k_GBSD.to(torch.float32, memory_format=torch.contiguous_format).view(G * B, S, D)
-    v1_GBSE = torch.ones(G, B, S, D + 1, dtype=torch.float32, device=q_BRHD.device)
-    v1_GBSE[..., :D] = v_GBSD
-    scores = bmm(q_NMD, k_NSD.transpose(1, 2)).view(G, B, rep, R, S)
-    scores.mul_(scale)
-    keep_B1RS = torch.arange(S, device=q_BRHD.device) <= positions_BR[:, None, :, None]
-    scores.masked_fill_(~keep_B1RS, float("-inf"))
-    scores.sub_(scores.amax(-1, keepdim=True)).exp_()  # max is exact in any order
-    num_NME = bmm(scores.view(G * B, rep * R, S), v1_GBSE.view(G * B, S, D + 1))
-    out_NMD = num_NME[..., :D] / num_NME[..., D:]
-    return out_NMD.reshape(G, B, rep, R, D).permute(1, 3, 0, 2, 4).reshape(B, R, H, D).to(q_BRHD.dtype)
-
-
-def seqs_per_chunk(rows_per_seq: int, keys: int, *, heads: int, head_dim: int, device: torch.device) -> int:
-    """How many sequences one ``attention`` call takes (bounds its fp32 temporaries)."""
-    rows_per_seq = max(rows_per_seq, 1)
-    if device.type == "cuda":
-        return max(1, min(_ATTN_ROWS // rows_per_seq, _ATTN_KEYS // keys))
-    return max(1, _CPU_ATTN_ELEMENTS // (rows_per_seq * keys * heads * head_dim))
+def seqs_per_chunk(rows_per_seq: int, keys: int, *, heads: int, head_dim: int) -> int:
+    """How many sequences one CPU ``attention`` call takes (bounds its fp32 temporaries)."""
+    return max(1, _CPU_ATTN_ELEMENTS // (max(rows_per_seq, 1) * keys * heads * head_dim))
 
 
 class _BIAttention(torch.autograd.Function):
@@ -217,12 +177,16 @@ class _BIAttention(torch.autograd.Function):
     def forward(ctx, q_BLHD, k_BLGD, v_BLGD, scale, sdpa):
         ctx.save_for_backward(q_BLHD, k_BLGD, v_BLGD)
         ctx.scale, ctx.sdpa = scale, sdpa
+        if q_BLHD.is_cuda:
+            from torchtitan_rl.models.paged_attention import contiguous_attention
+
+            return contiguous_attention(q_BLHD, k_BLGD, v_BLGD, scale=scale)
         B, L, H, D = q_BLHD.shape
         G = k_BLGD.shape[2]
         S = padded_len(L)
         positions = torch.arange(L, device=q_BLHD.device).expand(B, L)
         out = torch.empty_like(q_BLHD)
-        step = seqs_per_chunk(L, S, heads=H, head_dim=D, device=q_BLHD.device)
+        step = seqs_per_chunk(L, S, heads=H, head_dim=D)
         for b in range(0, B, step):
             n = min(step, B - b)
             # Keys past L are zeros; those between a row and L are masked.

@@ -30,10 +30,13 @@ kernels (models/batch_invariant.py), the same the trainer runs."""
 class PagedAttention(nn.Module):
     """Stands in for torchtitan's inner attention; vLLM's layer keeps the KV cache.
 
-    In batch-invariant mode it keeps its own copy of each token's K/V by
-    vLLM's slot mapping and attends with the kernel the trainer uses
-    (``batch_invariant.attention``), over chunks of sequences whose keys are
-    gathered from that copy and padded to a multiple of ``KEY_TILE``.
+    In batch-invariant mode it attends with the kernel the trainer uses. On
+    CUDA (``paged_attention.attention``) that kernel reads vLLM's paged cache
+    directly, after vLLM's own op wrote this step's K/V: no host work, so
+    vLLM's CUDA graphs capture it. On CPU (``batch_invariant.attention``) it
+    keeps its own copy of each token's K/V by vLLM's slot mapping and attends
+    over chunks of sequences whose keys are gathered from that copy and padded
+    to a multiple of ``KEY_TILE``.
     """
 
     def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str, batch_invariant: bool = False) -> None:
@@ -55,7 +58,8 @@ class PagedAttention(nn.Module):
     def forward(self, q_BLNH, k_BLNH, v_BLNH, **_unused) -> torch.Tensor:
         B, L, N, H = q_BLNH.shape
         if self.batch_invariant:
-            return self._batch_invariant(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
+            bi_attention = self._batch_invariant_paged if q_BLNH.is_cuda else self._batch_invariant
+            return bi_attention(q_BLNH[0], k_BLNH[0], v_BLNH[0]).view(B, L, N, H)
         out_TD = self.attn(
             q_BLNH.reshape(B * L, N * H),
             k_BLNH.reshape(B * L, -1),
@@ -69,6 +73,16 @@ class PagedAttention(nn.Module):
 
         md = get_forward_context().attn_metadata
         return md.get(self.layer_name) if isinstance(md, dict) else None
+
+    def _batch_invariant_paged(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
+        from torchtitan_rl.models.paged_attention import attention
+
+        md = self._metadata()
+        if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
+            return torch.zeros_like(q_TNH)
+        key_cache, value_cache = compat.vllm_paged_kv_cache(self.attn, k_TKH, v_TKH)
+        return attention(q_TNH, key_cache, value_cache, block_table=md.block_table,
+                         query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale)
 
     def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
         from torchtitan_rl.models.batch_invariant import attention
@@ -158,7 +172,7 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
         while i < len(order):
             j = i + 1
             while j < len(order) and j + 1 - i <= seqs_per_chunk(
-                n_q_host[order[j]], keys, heads=heads, head_dim=head_dim, device=device
+                n_q_host[order[j]], keys, heads=heads, head_dim=head_dim
             ):
                 j += 1
             seqs = order[i:j]
@@ -166,7 +180,7 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
             i = j
     chunks = []
     for seqs, rows, n_q_group in groups:
-        step = seqs_per_chunk(rows, keys, heads=heads, head_dim=head_dim, device=device)
+        step = seqs_per_chunk(rows, keys, heads=heads, head_dim=head_dim)
         for c in range(0, len(seqs), step):
             s = seqs[c : c + step]
             nq, seq_len = n_q[s][:, None], seq_lens[s][:, None]
