@@ -168,8 +168,9 @@ def vllm_paged_kv_cache(attn, key_TGD: torch.Tensor, value_TGD: torch.Tensor):
 
     backend = attn.attn_backend.get_name()
     assert backend == "FLASH_ATTN", f"batch-invariant attention reads FLASH_ATTN's KV cache layout, not {backend}'s"
-    slot_mapping = get_forward_context().slot_mapping[attn.layer_name]
-    attn.impl.do_kv_cache_update(attn, key_TGD, value_TGD, attn.kv_cache, slot_mapping)
+    slot_mapping = get_forward_context().slot_mapping.get(attn.layer_name)
+    if slot_mapping is not None:  # None in some of vLLM's dummy runs, as in its own layer
+        attn.impl.do_kv_cache_update(attn, key_TGD, value_TGD, attn.kv_cache, slot_mapping)
     return attn.kv_cache.transpose(1, 2).split(attn.head_size, dim=-1)
 
 

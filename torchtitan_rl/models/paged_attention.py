@@ -88,9 +88,33 @@ def _attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def _tokens_per_tile(heads: int, kv_heads: int) -> int:
+    rep_pad = triton.next_power_of_2(heads // kv_heads)
+    assert rep_pad <= _ROWS, f"{heads // kv_heads} query heads per KV head"
+    return _ROWS // rep_pad
+
+
+def plan_tiles(query_start_loc: torch.Tensor, *, num_tokens: int, heads: int, kv_heads: int):
+    """Each program's (sequence, first new token): tiles of a few tokens of one sequence.
+
+    Device ops only. The grid is an upper bound known on the host (a tile
+    holds at least one token); programs past the last tile see sequence
+    ``num_seqs`` and return. One plan serves every layer of a forward.
+    """
+    per_tile = _tokens_per_tile(heads, kv_heads)
+    num_seqs = query_start_loc.shape[0] - 1
+    n_q = query_start_loc[1:] - query_start_loc[:-1]
+    tiles = (n_q + per_tile - 1) // per_tile
+    ends = torch.cumsum(tiles, 0)
+    index = torch.arange(min(num_tokens, num_seqs + num_tokens // per_tile), device=query_start_loc.device)
+    tile_seq = torch.searchsorted(ends, index, right=True)
+    begin = (ends - tiles)[tile_seq.clamp(max=num_seqs - 1)]
+    return tile_seq, (index - begin) * per_tile
+
+
 def attention(q_THD: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, *,
               block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached keys, batch-invariantly.
 
     q_THD: [tokens, heads, head_dim], sequence s's new tokens at rows
@@ -98,7 +122,9 @@ def attention(q_THD: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     positions. key_cache/value_cache: [blocks, block_size, kv_heads, head_dim]
     holding every position of every sequence, position p of sequence s in
     block block_table[s, p // block_size]. Query head h reads KV head
-    h // (heads // kv_heads). Only device tensors are read: no host sync.
+    h // (heads // kv_heads). ``tiles``: ``plan_tiles``' result, when several
+    calls share it. Only device tensors are read: no host sync. Rows of no
+    sequence (a CUDA graph's padding) are left unwritten.
     """
     T, H, D = q_THD.shape
     G = key_cache.shape[2]
@@ -106,30 +132,19 @@ def attention(q_THD: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     assert key_cache.stride(3) == value_cache.stride(3) == 1
     if q_THD.stride(2) != 1:
         q_THD = q_THD.contiguous()
-    rep = H // G
-    rep_pad = triton.next_power_of_2(rep)
-    assert rep_pad <= _ROWS, f"{rep} query heads per KV head"
-    tokens_per_tile = _ROWS // rep_pad
     num_seqs = query_start_loc.shape[0] - 1
     out = torch.empty_like(q_THD)
     if T == 0 or num_seqs == 0:
         return out
-    # Tiles of up to tokens_per_tile tokens of one sequence; tile i -> (sequence, first token).
-    n_q = query_start_loc[1:] - query_start_loc[:-1]
-    tiles = (n_q + tokens_per_tile - 1) // tokens_per_tile
-    ends = torch.cumsum(tiles, 0)
-    grid_tiles = min(T, num_seqs + T // tokens_per_tile)  # >= sum(tiles), known on the host
-    index = torch.arange(grid_tiles, device=q_THD.device)
-    tile_seq = torch.searchsorted(ends, index, right=True)
-    begin = (ends - tiles)[tile_seq.clamp(max=num_seqs - 1)]
-    tile_first = (index - begin) * tokens_per_tile
-    _attention_kernel[(grid_tiles, G)](
+    tile_seq, tile_first = tiles or plan_tiles(query_start_loc, num_tokens=T, heads=H, kv_heads=G)
+    _attention_kernel[(tile_seq.shape[0], G)](
         q_THD, out, key_cache, value_cache, block_table, query_start_loc, seq_lens, tile_seq, tile_first,
-        num_seqs, key_cache.shape[1], scale * 1.4426950408889634,
+        num_seqs, key_cache.shape[1], scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q_THD.stride(0), q_THD.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
-        REP=rep, REP_PAD=rep_pad, HEAD_DIM=D, ROWS=_ROWS, BLOCK_N=_BLOCK_N, num_warps=_NUM_WARPS,
+        REP=H // G, REP_PAD=triton.next_power_of_2(H // G), HEAD_DIM=D, ROWS=_ROWS, BLOCK_N=_BLOCK_N,
+        num_warps=_NUM_WARPS,
     )
     return out
 

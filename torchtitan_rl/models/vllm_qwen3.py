@@ -75,14 +75,18 @@ class PagedAttention(nn.Module):
         return md.get(self.layer_name) if isinstance(md, dict) else None
 
     def _batch_invariant_paged(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
-        from torchtitan_rl.models.paged_attention import attention
+        from torchtitan_rl.models.paged_attention import attention, plan_tiles
 
+        global _last_tiles
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return torch.zeros_like(q_TNH)
+        if _last_tiles is None or _last_tiles[0] is not md:  # first layer of this forward
+            _last_tiles = (md, plan_tiles(md.query_start_loc, num_tokens=q_TNH.shape[0],
+                                          heads=q_TNH.shape[1], kv_heads=k_TKH.shape[1]))
         key_cache, value_cache = compat.vllm_paged_kv_cache(self.attn, k_TKH, v_TKH)
-        return attention(q_TNH, key_cache, value_cache, block_table=md.block_table,
-                         query_start_loc=md.query_start_loc, seq_lens=md.seq_lens, scale=self.scale)
+        return attention(q_TNH, key_cache, value_cache, block_table=md.block_table, query_start_loc=md.query_start_loc,
+                         seq_lens=md.seq_lens, scale=self.scale, tiles=_last_tiles[1])
 
     def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
         from torchtitan_rl.models.batch_invariant import attention
@@ -133,7 +137,8 @@ class _Plan:
     chunks: list[_Chunk]
 
 
-_last_plan: tuple[object, _Plan] | None = None
+_last_plan: tuple[object, _Plan] | None = None  # CPU: the plan of the forward whose metadata this is
+_last_tiles: tuple[object, tuple[torch.Tensor, torch.Tensor]] | None = None  # CUDA: same
 _block_size_checked = False
 
 
