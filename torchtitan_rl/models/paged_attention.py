@@ -30,6 +30,7 @@ import triton.language as tl
 _ROWS = 16  # query rows per program (tokens x query heads of one KV head); the MMA's M
 _BLOCK_N = 64  # keys per step of the online softmax
 _NUM_WARPS = 4
+_NUM_STAGES = 2  # software pipelining of the K/V loads (changes no arithmetic)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "block_size", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
@@ -144,7 +145,7 @@ def attention(q_THD: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
         REP=H // G, REP_PAD=triton.next_power_of_2(H // G), HEAD_DIM=D, ROWS=_ROWS, BLOCK_N=_BLOCK_N,
-        num_warps=_NUM_WARPS,
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
     return out
 
