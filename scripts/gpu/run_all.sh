@@ -15,7 +15,8 @@
 #   bi_cost      scripts/bench_batch_invariant.py on run_configs/qwen3_0.6b.toml (BI_PROMPTS, default 16 prompts
 #                x 8 samples; BI_MAX_TOKENS, default 128; BI_REPEATS, default 2; BI_PROFILE=1 adds
 #                torch.profiler's top kernels of one generate and one train step per mode)
-#   bi_attention scripts/bench_paged_attention.py --sweep: our attention kernel vs FA3 / SDPA, tile configs
+#   bi_attention scripts/bench_paged_attention.py: our attention kernel vs FA3 / SDPA (BI_ATTN_ARGS,
+#                default "--sweep": tile configs too)
 #   bi_tests     pytest tests/models: batch-invariant kernels on CUDA (batch, row position, paged vs trainer attention)
 #   lora         scripts/gpu/lora_sync.py (LORA_FLAVORS, default "0.6B 1.7B"): bench_lora_sync.py, one process per engine
 # Each writes $OUT/<name>.log (+ JSON); docs/benchmarks.md with the new GPU
@@ -44,7 +45,7 @@ for name in "$@"; do
     bi_cost)     python3 scripts/bench_batch_invariant.py --config run_configs/qwen3_0.6b.toml \
                    --prompts-per-step "${BI_PROMPTS:-16}" --max-tokens "${BI_MAX_TOKENS:-128}" \
                    --repeats "${BI_REPEATS:-2}" ${BI_PROFILE:+--profile} --json "$OUT/bi_cost.json" ;;
-    bi_attention) python3 scripts/bench_paged_attention.py --sweep ;;
+    bi_attention) python3 scripts/bench_paged_attention.py ${BI_ATTN_ARGS:---sweep} ;;
     bi_tests)    python3 -m pytest -x -q -p no:cacheprovider tests/models -k "not interpreter" ;;
     lora)        python3 scripts/gpu/lora_sync.py --flavors ${LORA_FLAVORS:-0.6B 1.7B} --json "$OUT/lora.json" ;;
     *)           echo "unknown name: $name"; false ;;

@@ -14,8 +14,9 @@ every reduction over keys runs in an order fixed by the row itself:
 - Both products are ``tl.dot`` of one tile shape; an output element of an MMA
   depends on its row and column only, reduced in an order fixed by the
   compiled kernel, the same binary on both sides (same constexprs, same
-  ``num_warps``; integer arguments are not specialised, so a block size of 16
-  and one of 181 compile to the same code).
+  ``num_warps``, strides that are multiples of 16 on both; the block size and
+  the block table's row stride are not specialised, so a block of 16 and one
+  of 181 positions compile to the same code).
 - Keys past a tile's last position are never loaded (masked to 0), so stale
   or uninitialised cache slots cannot turn a 0 probability into NaN.
 
@@ -33,9 +34,7 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2  # software pipelining of the K/V loads (changes no arithmetic)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "block_size", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                               "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
-                               "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "block_size", "stride_bt"])
 def _attention_kernel(
     q_ptr, o_ptr, k_ptr, v_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_seq_ptr, tile_first_ptr,
     num_seqs, block_size, scale_log2,
@@ -138,12 +137,16 @@ def attention(q_THD: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     if T == 0 or num_seqs == 0:
         return out
     tile_seq, tile_first = tiles or plan_tiles(query_start_loc, num_tokens=T, heads=H, kv_heads=G)
+    # Triton specialises strides and pointers on divisibility by 16: the same
+    # for every caller when these hold, so trainer and generator run one binary
+    # (and its loads are 16 bytes wide).
+    strides = (*q_THD.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3])
+    assert all(st % 16 == 0 for st in strides), f"strides {strides} not multiples of 16"
+    assert all(t.data_ptr() % 16 == 0 for t in (q_THD, out, key_cache, value_cache)), "tensors not 16-byte aligned"
     _attention_kernel[(tile_seq.shape[0], G)](
         q_THD, out, key_cache, value_cache, block_table, query_start_loc, seq_lens, tile_seq, tile_first,
         num_seqs, key_cache.shape[1], scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-        q_THD.stride(0), q_THD.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+        *strides, block_table.stride(0),
         REP=H // G, REP_PAD=triton.next_power_of_2(H // G), HEAD_DIM=D, ROWS=_ROWS, BLOCK_N=_BLOCK_N,
         num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
     )
