@@ -88,7 +88,8 @@ def main() -> None:
         parts["other"] = rec["step_s"] - sum(parts.values())
         steps.append({"step": rec["step"], "step_s": rec["step_s"], **parts,
                       "gen_tokens_per_s": rec["gen_tokens_per_s"], "mismatch_max": rec["mismatch_max"],
-                      "mismatch_mean": rec["mismatch_mean"], "reward_mean": rec["reward_mean"]})
+                      "mismatch_mean": rec["mismatch_mean"], "mismatch_frac_tokens": rec["mismatch_frac_tokens"],
+                      "reward_mean": rec["reward_mean"]})
     kept = steps[args.skip:] or steps
     med = {k: statistics.median(s[k] for s in kept) for k in kept[0] if k != "step"}
     summary = {
@@ -104,7 +105,7 @@ def main() -> None:
         (out / "grpo_summary.json").write_text(json.dumps(summary, indent=1))
 
     parts = [k for k in kept[0] if k not in ("step", "step_s", "gen_tokens_per_s", "mismatch_max",
-                                             "mismatch_mean", "reward_mean")]
+                                             "mismatch_mean", "mismatch_frac_tokens", "reward_mean")]
     rows = [[k, f"{med[k] * 1e3:.1f}", f"{100 * med[k] / med['step_s']:.2f}%"] for k in parts]
     rows.append(["step (median)", f"{med['step_s'] * 1e3:.1f}", "100%"])
     g, s = cfg.grpo, cfg.generator
@@ -117,13 +118,16 @@ def main() -> None:
         f"max_num_seqs={s.max_num_seqs}; trainer micro_batch_size={cfg.trainer.micro_batch_size}.\n\n"
         + table(["part", "median ms", "share of step"], rows)
         + f"\nGeneration {med['gen_tokens_per_s']:.0f} tokens/s inside the loop; trainer-vs-generator "
-        f"logprob mismatch: median per-step max {med['mismatch_max']:.2e}, mean {med['mismatch_mean']:.2e}. "
+        f"logprob mismatch: median per-step max {med['mismatch_max']:.2e}, mean {med['mismatch_mean']:.2e}; "
+        f"tokens that differ, worst step of all {args.steps}: "
+        f"{100 * max(s['mismatch_frac_tokens'] for s in steps):.2f}%. "
         f"Sync = {100 * med['sync'] / med['step_s']:.3f}% of the step. Peak GPU memory allocated through "
         f"torch (trainer + generator, one process): {summary['peak_gpu_mem_gib']:.1f} GiB. "
         f"Whole run incl. startup: {wall:.0f} s.\n"
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    write_section(f"GRPO loop step breakdown ({device})", device=device, body=body)
+    mode = ", batch-invariant" if cfg.batch_invariant_mode else ""
+    write_section(f"GRPO loop step breakdown{mode} ({device})", device=device, body=body)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #   sync         scripts/bench_weight_sync.py --device cuda   (SYNC_FLAVORS, default "0.6B 1.7B 4B 8B";
 #                SYNC_METHODS, default "ipc ours reload"; SYNC_MERGE=earlier sync.json to update)
 #   grpo         scripts/gpu/grpo_loop.py on run_configs/qwen3_0.6b.toml (GRPO_STEPS, default 20)
+#   grpo_bi      the same with batch_invariant_mode = true (results in $OUT/grpo_bi/)
 #   generation   scripts/bench_generation.py                  (GEN_MODES, default "graphs eager")
 #   startup      scripts/bench_startup.py
 #   bitwise      scripts/check_bitwise_identity.py on run_configs/qwen3_0.6b.toml (BITWISE_BATCHES, default "1 7 64")
@@ -38,6 +39,8 @@ for name in "$@"; do
                    --methods ${SYNC_METHODS:-ipc ours reload} ${SYNC_MERGE:+--merge-json "$SYNC_MERGE"} \
                    --json "$OUT/sync.json" ;;
     grpo)        python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT" ;;
+    grpo_bi)     python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT/grpo_bi" \
+                   --batch_invariant_mode true ;;
     generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
     startup)     python3 scripts/bench_startup.py --json "$OUT/startup.json" ;;
     bitwise)     python3 scripts/check_bitwise_identity.py --config run_configs/qwen3_0.6b.toml \
