@@ -103,6 +103,8 @@ def plan_tiles(query_start_loc: torch.Tensor, *, num_tokens: int, heads: int, kv
     """
     per_tile = _tokens_per_tile(heads, kv_heads)
     num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs == 0:
+        return query_start_loc[:0], query_start_loc[:0]
     n_q = query_start_loc[1:] - query_start_loc[:-1]
     tiles = (n_q + per_tile - 1) // per_tile
     ends = torch.cumsum(tiles, 0)
