@@ -20,7 +20,9 @@ on the other side could make endless gives up after
 ``weight_sync.peer_timeout_s`` with a RuntimeError.
 """
 
+import faulthandler
 import pickle
+import signal
 import time
 from pathlib import Path
 
@@ -122,6 +124,8 @@ class RemoteGenerator:
 def serve(cfg: JobConfig, *, world: World, shape: Qwen3Shape, workdir: Path) -> None:
     """The generator rank's whole run: build the engine, answer trainer rank 0 until "stop"."""
     assert world.role == "generator"
+    # torchrun ends this rank with SIGTERM when a trainer rank fails: say where it was.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     with compat.vllm_device(world.device):  # this rank's GPU, not cuda:0
         generator = Generator(
             cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,

@@ -139,6 +139,11 @@ def init_world(device_type: str) -> World:
                 pair = dist.ProcessGroupNCCL(pair_store, pair_rank, 2)
         else:
             pair = dist.ProcessGroupGloo(pair_store, pair_rank, 2, timedelta(minutes=30))
+        # Create the NCCL communicator now, before the generator's vLLM engine:
+        # vLLM's batch-invariant mode sets NCCL_PROTO=Simple, one channel, etc. in
+        # its process, and a communicator created after that would not match the
+        # trainer's (seen on 2 H200s: the first sync hung after two buckets).
+        _broadcast(pair, torch.zeros(1, device=device), root=0).wait()
     return World(role, rank, trainers, device, store, pair)
 
 
