@@ -24,7 +24,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(params=(["cpu"] if INTERPRETED else []) + (["cuda"] if torch.cuda.is_available() else []))
-def kernels(request):
+def device_dtype(request):
     """(device, dtype) the kernel runs on."""
     return request.param, torch.bfloat16 if request.param == "cuda" else torch.float32
 
@@ -51,8 +51,8 @@ def _reference(q_BLHD, k_BLGD, v_BLGD, scale):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 16), (4, 2, 32), (10, 2, 64), (16, 8, 128)])
-def test_trainer_attention_matches_causal_softmax_attention(kernels, heads, kv_heads, head_dim):
-    device, dtype = kernels
+def test_trainer_attention_matches_causal_softmax_attention(device_dtype, heads, kv_heads, head_dim):
+    device, dtype = device_dtype
     g = torch.Generator().manual_seed(heads)
     q = _randn(3, 70, heads, head_dim, g=g, device=device, dtype=dtype)
     k, v = (_randn(3, 70, kv_heads, head_dim, g=g, device=device, dtype=dtype) for _ in range(2))
@@ -62,8 +62,8 @@ def test_trainer_attention_matches_causal_softmax_attention(kernels, heads, kv_h
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (10, 2, 64), (16, 8, 128)])
-def test_rows_are_the_same_bits_in_the_trainer_and_in_any_generator_step(kernels, heads, kv_heads, head_dim):
-    device, dtype = kernels
+def test_rows_are_the_same_bits_in_the_trainer_and_in_any_generator_step(device_dtype, heads, kv_heads, head_dim):
+    device, dtype = device_dtype
     g = torch.Generator().manual_seed(7)
     n, block_size, scale = 75, 16, head_dim**-0.5
 
