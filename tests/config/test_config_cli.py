@@ -110,9 +110,9 @@ def test_bad_cli_value_names_the_field(args, expected):
             "batch_invariant_mode: needs generator.sampling.top_p 1",
         ),
         (
-            ["--batch-invariant-mode", "--job.device", "cpu", "--trainer.parallelism.tensor_parallel_degree",
+            ["--batch-invariant-mode", "--trainer.parallelism.tensor_parallel_degree",
              "2", "--generator.parallelism.tensor_parallel_degree", "2"], 2,
-            "batch_invariant_mode: on CPU needs trainer.parallelism.tensor_parallel_degree 1",
+            "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree 1",
         ),
         (
             ["--batch-invariant-mode", "--model.lora.rank", "4", "--model.lora.sync", "merged"], 1,
@@ -144,7 +144,7 @@ def test_parallel_degrees_that_fit_the_world_size_are_accepted(tmp_path):
         "--trainer.parallelism.data_parallel_shard_degree", "2",
         "--trainer.parallelism.tensor_parallel_degree", "2",
         "--generator.parallelism.tensor_parallel_degree", "2",
-        "--batch-invariant-mode", "--job.output_dir", str(tmp_path), "--dry-run", world_size=4,
+        "--job.output_dir", str(tmp_path), "--dry-run", world_size=4,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
 

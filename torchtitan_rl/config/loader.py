@@ -254,9 +254,12 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
                 "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
                 "bitwise equal to the trainer's unmerged forward)"
             )
-        if cfg.job.device == "cpu" and tp_t > 1:
+        if tp_t > 1:
+            # Row-parallel linears sum their shards in an all-reduce: DTensor's
+            # NCCL one on the trainer, vLLM's own on the generator (and one
+            # process's fp32 GEMM on CPU), in orders nobody made equal.
             raise ValueError(
-                "batch_invariant_mode: on CPU needs trainer.parallelism.tensor_parallel_degree 1, "
+                "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree 1, "
                 f"got {tp_t} (a sharded matmul reduces in a different order)"
             )
 
