@@ -69,6 +69,10 @@ def build_llm_engine(
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_cache_memory_bytes >> 30))
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if batch_invariant:
+            # models/paged_attention.py reads the KV cache in FLASH_ATTN's layout
+            # (vllm_paged_kv_cache); vLLM's pick on Hopper, made explicit.
+            kwargs["attention_backend"] = "FLASH_ATTN"
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
     _keep_default_group_on_engine_shutdown()
