@@ -157,11 +157,12 @@ def main() -> None:
           us(r["train_s"]), f"{r['train_s'] / anchors['sdpa_s']:.2f}x", "yes" if r["bitwise"] else "NO"]
          for c, r in rows[:12] + [cr for cr in rows[12:] if cr[0] == current]],
     )
-    r = dict(rows)[current]
+    r = dict(rows).get(current)
     body += (
-        f"\nGPU time per call (calls captured in a CUDA graph and replayed). Eager launches, host cost "
-        f"included, of the current config: decode {us(r['decode_eager_s'])} us, trainer {us(r['train_eager_s'])} us."
-        f"\nAnchors, same run: FA3 on the paged cache {us(anchors['fa3_s'])} us (its split heuristic), "
+        "\nGPU time per call (calls captured in a CUDA graph and replayed)."
+        + (f" Eager launches, host cost included, of the current config: decode {us(r['decode_eager_s'])} us, "
+           f"trainer {us(r['train_eager_s'])} us." if r else " The current config failed (see the log).")
+        + f"\nAnchors, same run: FA3 on the paged cache {us(anchors['fa3_s'])} us (its split heuristic), "
         f"{us(anchors['fa3_one_split_s'])} us (num_splits=1, vLLM's batch-invariant mode); torch SDPA "
         f"{us(anchors['sdpa_s'])} us. Decode: {args.seqs} sequences x 1 new token at position "
         f"{args.seq_len - 1}, block size 16; trainer: {args.train_seqs} x {args.seq_len} tokens, causal; "

@@ -76,8 +76,18 @@ def build_llm_engine(
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
     _keep_default_group_on_engine_shutdown()
-    with _private_world():
-        return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    # vLLM's batch-invariant mode sets NCCL_PROTO, NCCL_MAX_NCHANNELS, ... in
+    # this process for its own collectives (a one-GPU engine has none). A
+    # communicator this process creates later (a trainer group of rank 0,
+    # colocated) would take them and no longer match its peers': put them back.
+    nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    try:
+        with _private_world():
+            return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+    finally:
+        for k in [k for k in os.environ if k.startswith("NCCL_") and k not in nccl_env]:
+            del os.environ[k]
+        os.environ.update(nccl_env)
 
 
 def _keep_default_group_on_engine_shutdown() -> None:
@@ -154,7 +164,7 @@ def titan_mesh_device_type(device_type: str) -> None:
 
 def batch_invariant_ops():
     """vLLM's batch-invariant Triton kernels (CUDA): a module with
-    ``matmul_persistent``, ``bmm_batch_invariant`` and ``rms_norm_batch_invariant``."""
+    ``matmul_persistent`` and ``rms_norm_batch_invariant``."""
     try:
         from vllm.model_executor.determinism import batch_invariant  # vLLM >= 0.30
     except ImportError:

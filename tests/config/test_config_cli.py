@@ -102,8 +102,9 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--trainer.parallelism.tensor_parallel_degree", "3"], 4, "trainer.parallelism: "),
         (["--generator.parallelism.tensor_parallel_degree", "3"], 4, "generator.parallelism: "),
         (
-            ["--batch-invariant-mode", "--trainer.parallelism.tensor_parallel_degree", "2"], 2,
-            "generator.parallelism.tensor_parallel_degree",
+            ["--batch-invariant-mode", "--generator.parallelism.tensor_parallel_degree", "2"], 2,
+            "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree and generator.parallelism."
+            "tensor_parallel_degree 1, got 1 and 2",
         ),
         (
             ["--batch-invariant-mode", "--generator.sampling.top_p", "0.9"], 1,
@@ -112,7 +113,7 @@ def test_bad_cli_value_names_the_field(args, expected):
         (
             ["--batch-invariant-mode", "--trainer.parallelism.tensor_parallel_degree",
              "2", "--generator.parallelism.tensor_parallel_degree", "2"], 2,
-            "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree 1",
+            "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree and generator",
         ),
         (
             ["--batch-invariant-mode", "--model.lora.rank", "4", "--model.lora.sync", "merged"], 1,

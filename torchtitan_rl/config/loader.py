@@ -236,10 +236,14 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
             )
         tp_t = cfg.trainer.parallelism.tensor_parallel_degree
         tp_g = cfg.generator.parallelism.tensor_parallel_degree
-        if tp_t != tp_g:
+        if tp_t != 1 or tp_g != 1:
+            # Row-parallel linears sum their shards in an all-reduce: DTensor's
+            # NCCL one on the trainer, vLLM's own on the generator, in orders
+            # nobody made equal.
             raise ValueError(
-                f"batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree ({tp_t}) "
-                f"== generator.parallelism.tensor_parallel_degree ({tp_g})"
+                "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree and "
+                f"generator.parallelism.tensor_parallel_degree 1, got {tp_t} and {tp_g} "
+                "(a sharded matmul reduces in a different order)"
             )
         s = cfg.generator.sampling
         if s.top_p != 1.0 or s.top_k != -1:
@@ -253,14 +257,6 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
             raise ValueError(
                 "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
                 "bitwise equal to the trainer's unmerged forward)"
-            )
-        if tp_t > 1:
-            # Row-parallel linears sum their shards in an all-reduce: DTensor's
-            # NCCL one on the trainer, vLLM's own on the generator (and one
-            # process's fp32 GEMM on CPU), in orders nobody made equal.
-            raise ValueError(
-                "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree 1, "
-                f"got {tp_t} (a sharded matmul reduces in a different order)"
             )
 
 

@@ -259,6 +259,11 @@ def make_batch_invariant(model: nn.Module, *, replace_attention: bool, device: t
     """Switch a torchtitan Qwen3 to the batch-invariant kernels of ``device`` in place."""
     if device.type == "cpu":
         compat.set_num_threads(1)
+    else:
+        from torchtitan_rl.models.paged_attention import check_shape
+
+        attention = model.layers["0"].attention
+        check_shape(heads=attention.n_heads, kv_heads=attention.n_kv_heads, head_dim=attention.head_dim)
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.forward = bi_linear_forward.__get__(module)

@@ -14,9 +14,10 @@ every reduction over keys runs in an order fixed by the row itself:
 - Both products are ``tl.dot`` of one tile shape; an output element of an MMA
   depends on its row and column only, reduced in an order fixed by the
   compiled kernel, the same binary on both sides (same constexprs, same
-  ``num_warps``, strides that are multiples of 16 on both; the block size and
-  the block table's row stride are not specialised, so a block of 16 and one
-  of 181 positions compile to the same code).
+  ``num_warps``, one dtype, strides that are multiples of 16 on both; the
+  block size, the block table's row stride and the index tensors' pointers
+  are not specialised, so a block of 16 and one of 181 positions compile to
+  the same code).
 - Keys past a tile's last position are never loaded (masked to 0), so stale
   or uninitialised cache slots cannot turn a 0 probability into NaN.
 
@@ -34,7 +35,8 @@ _NUM_WARPS = 4
 _NUM_STAGES = 2  # software pipelining of the K/V loads (changes no arithmetic)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "block_size", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "block_size", "stride_bt", "block_table_ptr", "query_start_ptr",
+                               "seq_lens_ptr", "tile_seq_ptr", "tile_first_ptr"])
 def _attention_kernel(
     q_ptr, o_ptr, k_ptr, v_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr, tile_seq_ptr, tile_first_ptr,
     num_seqs, block_size, scale_log2,
@@ -48,7 +50,7 @@ def _attention_kernel(
     if s >= num_seqs:  # the grid is an upper bound on the tiles
         return
     first = tl.load(tile_first_ptr + tile)  # the tile's first query token, counted within the sequence
-    q0 = tl.load(query_start_ptr + s)
+    q0 = tl.load(query_start_ptr + s).to(tl.int64)
     n_q = tl.load(query_start_ptr + s + 1) - q0
     ctx = tl.load(seq_lens_ptr + s) - n_q  # keys cached before this call's tokens
     TOKENS: tl.constexpr = ROWS // REP_PAD
@@ -76,8 +78,10 @@ def _attention_kernel(
         scores = tl.dot(q, tl.trans(k)) * scale_log2
         scores = tl.where(kpos[None, :] <= pos[:, None], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        # Only a row with no visible key yet (inconsistent metadata) has m_new = -inf: 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + g * stride_vh + d[None, :],
                     mask=k_ok[:, None], other=0.0)
@@ -88,9 +92,19 @@ def _attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def check_shape(*, heads: int, kv_heads: int, head_dim: int) -> None:
+    """ValueError unless the kernel can take this attention shape (every Qwen3 size can)."""
+    if head_dim < 16 or head_dim != triton.next_power_of_2(head_dim) or heads % kv_heads:
+        raise ValueError(f"model: batch-invariant attention on CUDA needs head_dim a power of two >= 16 and "
+                         f"heads a multiple of kv_heads, got head_dim {head_dim}, {heads} / {kv_heads} heads")
+    if triton.next_power_of_2(heads // kv_heads) > _ROWS:
+        raise ValueError(f"model: batch-invariant attention on CUDA takes at most {_ROWS} query heads per KV "
+                         f"head, got {heads} / {kv_heads}")
+
+
 def _tokens_per_tile(heads: int, kv_heads: int) -> int:
     rep_pad = triton.next_power_of_2(heads // kv_heads)
-    assert rep_pad <= _ROWS, f"{heads // kv_heads} query heads per KV head"
+    assert rep_pad <= _ROWS, "check_shape first"
     return _ROWS // rep_pad
 
 
@@ -130,7 +144,8 @@ def attention(q_THD: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     """
     T, H, D = q_THD.shape
     G = key_cache.shape[2]
-    assert H % G == 0 and D == triton.next_power_of_2(D), (H, G, D)
+    assert H % G == 0 and D == triton.next_power_of_2(D), "check_shape first"
+    assert q_THD.dtype == key_cache.dtype == value_cache.dtype, "one dtype, so both sides run one tl.dot"
     assert key_cache.stride(3) == value_cache.stride(3) == 1
     if q_THD.stride(2) != 1:
         q_THD = q_THD.contiguous()

@@ -24,7 +24,8 @@ LORA_KEY = "torchtitan_rl_lora"
 
 BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
 """hf_overrides key: true switches the generator's model to the batch-invariant
-kernels (models/batch_invariant.py), the same the trainer runs."""
+kernels (models/batch_invariant.py, on CUDA with models/paged_attention.py),
+the same the trainer runs."""
 
 
 class PagedAttention(nn.Module):
@@ -77,16 +78,19 @@ class PagedAttention(nn.Module):
     def _batch_invariant_paged(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
         from torchtitan_rl.models.paged_attention import attention, plan_tiles
 
-        global _last_tiles
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return torch.zeros_like(q_TNH)
-        if _last_tiles is None or _last_tiles[0] is not md:  # first layer of this forward
-            _last_tiles = (md, plan_tiles(md.query_start_loc, num_tokens=q_TNH.shape[0],
-                                          heads=q_TNH.shape[1], kv_heads=k_TKH.shape[1]))
+        # One tile plan per forward, kept on the forward's metadata (a per-layer
+        # copy of it keeps the plan: only the block table may differ).
+        tiles = getattr(md, "_torchtitan_rl_tiles", None)
+        if tiles is None:
+            tiles = plan_tiles(md.query_start_loc, num_tokens=q_TNH.shape[0], heads=q_TNH.shape[1],
+                               kv_heads=k_TKH.shape[1])
+            md._torchtitan_rl_tiles = tiles
         key_cache, value_cache = compat.vllm_paged_kv_cache(self.attn, k_TKH, v_TKH)
         return attention(q_TNH, key_cache, value_cache, block_table=md.block_table, query_start_loc=md.query_start_loc,
-                         seq_lens=md.seq_lens, scale=self.scale, tiles=_last_tiles[1])
+                         seq_lens=md.seq_lens, scale=self.scale, tiles=tiles)
 
     def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
         from torchtitan_rl.models.batch_invariant import attention
@@ -137,8 +141,7 @@ class _Plan:
     chunks: list[_Chunk]
 
 
-_last_plan: tuple[object, _Plan] | None = None  # CPU: the plan of the forward whose metadata this is
-_last_tiles: tuple[object, tuple[torch.Tensor, torch.Tensor]] | None = None  # CUDA: same
+_last_plan: tuple[object, _Plan] | None = None
 _block_size_checked = False
 
 
