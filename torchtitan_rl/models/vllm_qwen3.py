@@ -81,13 +81,8 @@ class PagedAttention(nn.Module):
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return torch.zeros_like(q_TNH)
-        # One tile plan per forward, kept on the forward's metadata (a per-layer
-        # copy of it keeps the plan: only the block table may differ).
-        tiles = getattr(md, "_torchtitan_rl_tiles", None)
-        if tiles is None:
-            tiles = plan_tiles(md.query_start_loc, num_tokens=q_TNH.shape[0], heads=q_TNH.shape[1],
-                               kv_heads=k_TKH.shape[1])
-            md._torchtitan_rl_tiles = tiles
+        tiles = _once_per_forward(md, lambda: plan_tiles(
+            md.query_start_loc, num_tokens=q_TNH.shape[0], heads=q_TNH.shape[1], kv_heads=k_TKH.shape[1]))
         key_cache, value_cache = compat.vllm_paged_kv_cache(self.attn, k_TKH, v_TKH)
         return attention(q_TNH, key_cache, value_cache, block_table=md.block_table, query_start_loc=md.query_start_loc,
                          seq_lens=md.seq_lens, scale=self.scale, tiles=tiles)
@@ -99,7 +94,8 @@ class PagedAttention(nn.Module):
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
             return out
-        plan = _bi_plan(md, block_size=self.block_size, heads=q_TNH.shape[1], head_dim=q_TNH.shape[2])
+        plan = _once_per_forward(md, lambda: _bi_plan(md, block_size=self.block_size, heads=q_TNH.shape[1],
+                                                      head_dim=q_TNH.shape[2]))
         if self._kv_rows is None or self._kv_rows.shape[2] < plan.rows_needed:
             have = 0 if self._kv_rows is None else self._kv_rows.shape[2]
             grown = k_TKH.new_zeros(2, k_TKH.shape[1], max(plan.rows_needed, have + have // 4), k_TKH.shape[2])
@@ -141,12 +137,25 @@ class _Plan:
     chunks: list[_Chunk]
 
 
-_last_plan: tuple[object, _Plan] | None = None
 _block_size_checked = False
 
 
+def _once_per_forward(md, build):
+    """``build()`` at the forward's first layer, the same result at the others.
+
+    Kept on the forward's attention metadata, which vLLM builds anew each
+    forward (a per-layer copy of it keeps the result: only the block table
+    may differ between layers, and only for models with several KV-cache groups).
+    """
+    value = getattr(md, "_torchtitan_rl_plan", None)
+    if value is None:
+        value = build()
+        md._torchtitan_rl_plan = value
+    return value
+
+
 def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
-    """Batch-invariant attention: what every layer of this forward gathers (built once per forward).
+    """CPU batch-invariant attention: what every layer of this forward gathers (built once per forward).
 
     Keys are padded to ``padded_len`` of the longest sequence in the forward
     (md.max_seq_len, known on the host). Built from the metadata's tensors on
@@ -155,9 +164,7 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
     and, in forwards with prefills, each sequence's number of new tokens, to
     group sequences by it (few padded rows).
     """
-    global _last_plan, _block_size_checked
-    if _last_plan is not None and _last_plan[0] is md:
-        return _last_plan[1]
+    global _block_size_checked
     from torchtitan_rl.models.batch_invariant import padded_len, seqs_per_chunk
 
     device = md.slot_mapping.device
@@ -209,9 +216,7 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
                 "block table and slot mapping disagree (block size?)"
             )
         _block_size_checked = True
-    plan = _Plan(rows_T=rows_T, rows_needed=int(rows_T.max()) + 1 if len(rows_T) else 2, chunks=chunks)
-    _last_plan = (md, plan)
-    return plan
+    return _Plan(rows_T=rows_T, rows_needed=int(rows_T.max()) + 1 if len(rows_T) else 2, chunks=chunks)
 
 
 class TorchTitanQwen3ForCausalLM(nn.Module):
