@@ -10,6 +10,7 @@ import gc
 import json
 from pathlib import Path
 
+from tests.helpers import BF16_MISMATCH_MEAN
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 
@@ -57,7 +58,7 @@ def test_short_run_learns(tmp_path):
     assert first < 0.15, first  # the random policy
     assert last > 0.3 and last > first + 0.2, (first, last)
     # Trainer and generator score the sampled tokens alike at every step.
-    assert max(r["mismatch_mean"] for r in history) < 0.02
+    assert max(r["mismatch_mean"] for r in history) < BF16_MISMATCH_MEAN
 
     # What a user looks at afterwards.
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -77,8 +78,8 @@ def test_without_weight_sync_the_run_does_not_learn(tmp_path):
     assert [r["weight_version"] for r in history] == [0] * STEPS
     assert _mean_reward(history[-5:]) < 2 * RANDOM_POLICY_REWARD
     # Not because the trainer stood still: it moved away from the generator.
-    assert history[0]["mismatch_mean"] < 0.02
-    assert history[-1]["mismatch_mean"] > 0.2
+    assert history[0]["mismatch_mean"] < BF16_MISMATCH_MEAN
+    assert history[-1]["mismatch_mean"] > 20 * BF16_MISMATCH_MEAN
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):

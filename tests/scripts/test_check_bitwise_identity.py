@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_check_bitwise_identity_passes_on_the_cpu_config(tmp_path):
     proc = subprocess.run(
         # 48 new tokens: the generator's steps pad keys to 16..64 while the trainer

@@ -11,6 +11,7 @@ init (version 1) and after one train step on both ranks (version 2), where
 the step-1 weights must no longer fit, so a stale or partial sync cannot pass.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from tests.helpers import PROMPTS, make_generator, max_logprob_error, tiny_shape, trainer_model
+from tests.helpers import PROMPTS, logprob_check, make_generator, tiny_shape, trainer_model
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.batch import pack_rollouts
@@ -83,10 +84,10 @@ def main() -> None:
                 "bytes_written": stats.bytes_written,
                 "tensors_verified": stats.tensors_verified,
                 "scored_tokens": int(mask.sum()),
-                "gen_vs_sharded_trainer": (all_lp_BL - gen_lp_BL).abs()[mask].max().item(),
-                "gen_vs_single_process": max_logprob_error(rollouts, model),
+                "gen_vs_sharded_trainer": (all_lp_BL - gen_lp_BL).abs()[mask].mean().item(),
+                "gen_vs_single_process": dataclasses.asdict(logprob_check(rollouts, model)),
                 "gen_vs_previous_weights": (
-                    max_logprob_error(rollouts, previous_model) if previous_model is not None else None
+                    logprob_check(rollouts, previous_model).error if previous_model is not None else None
                 ),
             }
             previous_model = model

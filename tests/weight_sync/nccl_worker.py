@@ -89,12 +89,12 @@ def generator_main(world, out_dir: Path) -> None:
 
 
 def score(trainer, rollouts: Rollouts) -> float:
-    """Max |generator - trainer| logprob over the sampled tokens (every trainer rank scores all rows)."""
+    """Mean |generator - trainer| logprob over the sampled tokens (every trainer rank scores all rows)."""
     tokens_BL, mask_BL, gen_BL = pack_rollouts(
         rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=0
     )
     trainer_BL = trainer.token_logprobs(tokens_BL, temperature=1.0)
-    return (trainer_BL - gen_BL).abs()[mask_BL.bool()].max().item()
+    return (trainer_BL - gen_BL).abs()[mask_BL.bool()].mean().item()
 
 
 def trainer_main(world, out_dir: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import LOGPROB_ATOL, PROMPTS, max_logprob_error, tiny_shape, trainer_model
+from tests.helpers import PROMPTS, assert_serves, tiny_shape, trainer_model
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig, WeightSyncConfig
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.trainer import Trainer
@@ -44,6 +44,7 @@ def _perturb_adapters(trainer: Trainer, seed: int) -> None:
                 local.copy_(torch.randn(local.shape, generator=g) * 0.3)
 
 
+@pytest.mark.bf16_numerics
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_generator_computes_base_plus_adapter_once(tmp_path, mode):
     lora = LoRAConfig(rank=4, alpha=8.0, sync=mode)
@@ -64,10 +65,9 @@ def test_generator_computes_base_plus_adapter_once(tmp_path, mode):
         sizes.append(stats.bytes_written)
         reference = _merged_reference(trainer, lora)
         rollouts = gen.generate(PROMPTS, n=2, seed=version)
-        assert max_logprob_error(rollouts, reference) < LOGPROB_ATOL
-        # Twice the adapter would be far off: the check can tell.
+        # Twice the adapter (the ms-swift resume bug) must be told apart from bf16 noise.
         doubled = _merged_reference(trainer, LoRAConfig(rank=4, alpha=16.0))
-        assert max_logprob_error(rollouts, doubled) > 5 * LOGPROB_ATOL
+        assert_serves(rollouts, reference, not_=[doubled])
     if mode == "adapter":
         adapter_bytes = sum(
             t.numel() * t.element_size() for n, t in trainer.sync_state().items() if n.endswith((".lora_a", ".lora_b"))
@@ -91,6 +91,7 @@ def _run(args, out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["adapter", "merged"])
 def test_resume_in_a_new_process_never_counts_the_adapter_twice(tmp_path, mode):
     """The ms-swift bug: after resume the engine computed W + 2BA from the second batch on."""
@@ -113,4 +114,6 @@ def test_resume_in_a_new_process_never_counts_the_adapter_twice(tmp_path, mode):
         if exact:
             assert record["mismatch_max"] == 0.0, record
         else:
+            # bf16(W + BA) against the trainer's unmerged bf16 forward: measured mean <= 1.4e-3 with
+            # AVX512-BF16 and with AVX2 kernels (steps 0-3); 3e-3 keeps to that noise, tighter than BF16_MISMATCH_MEAN.
             assert record["mismatch_mean"] < 3e-3, record

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LOGPROB_ATOL, free_port
+from tests.helpers import BF16_MISMATCH_MEAN, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.slow  # torchrun worlds of 2-3 processes, each with its own engine
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,10 @@ def test_logprobs_match_trainer_after_two_syncs_with_different_weights(run):
     trainer, gen = run
     assert trainer["buckets"] > 2  # both send/receive buffers were reused
     assert gen["sync1"]["version"] == 1 and gen["sync2"]["version"] == 2
-    assert trainer["v1_gen_vs_trainer"] < LOGPROB_ATOL, trainer
-    assert trainer["v2_gen_vs_trainer"] < LOGPROB_ATOL, trainer
+    assert trainer["v1_gen_vs_trainer"] < BF16_MISMATCH_MEAN, trainer
+    assert trainer["v2_gen_vs_trainer"] < BF16_MISMATCH_MEAN, trainer
     # The version-2 rollouts are far from the version-1 weights: a stale or partial sync cannot pass.
-    assert trainer["v2_rollouts_vs_v1_trainer"] > 10 * LOGPROB_ATOL, trainer
+    assert trainer["v2_rollouts_vs_v1_trainer"] > 4 * BF16_MISMATCH_MEAN, trainer
 
 
 def test_every_tensor_checksummed_and_constants_checked_with_verify_full(run):
@@ -62,7 +63,7 @@ def test_nan_in_one_shard_is_rejected_before_anything_is_written(run):
     assert after["version"] == 1 and after["syncs"] == 2
     # Still the version-1 weights, untouched: same completions, still the trainer's logprobs.
     assert after["same_completions"]
-    assert trainer["after_reject_gen_vs_trainer"] < LOGPROB_ATOL
+    assert trainer["after_reject_gen_vs_trainer"] < BF16_MISMATCH_MEAN
 
 
 def test_generate_racing_a_sync_waits_for_it(run):
