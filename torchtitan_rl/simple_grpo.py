@@ -195,7 +195,7 @@ def run(cfg: JobConfig) -> list[dict]:
 
 def run_shape(cfg: JobConfig, task):
     """The run's model shape; the tiny flavor takes the task tokenizer's vocabulary."""
-    from torchtitan_rl.models.qwen3 import resolve_shape
+    from torchtitan_rl.models.families import resolve_shape
 
     shape = resolve_shape(
         flavor=cfg.model.flavor,
