@@ -28,7 +28,8 @@ def worker(args) -> dict:
 
     from torchtitan_rl import compat
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-    from torchtitan_rl.models.qwen3 import build_titan_model, resolve_shape
+    from torchtitan_rl.models.families import resolve_shape, to_hf
+    from torchtitan_rl.models.shape import build_titan_model
 
     shape = resolve_shape(flavor=args.flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=args.max_model_len)
     dev = args.device
@@ -56,13 +57,10 @@ def worker(args) -> dict:
         def generate() -> list[list[int]]:
             return gen.generate(prompts, n=1, sampling=sampling).completion_ids
     else:
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
         from vllm import SamplingParams
 
-        from torchtitan_rl.models.qwen3 import titan_config
-
         (workdir / "config.json").write_text(
-            json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]})
+            json.dumps(shape.to_hf_config())
         )
         engine = compat.build_llm_engine(
             model=str(workdir), load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
@@ -71,9 +69,7 @@ def worker(args) -> dict:
             batch_invariant=False,
         )
         build_s = time.perf_counter() - t
-        hf_state = Qwen3StateDictAdapter(titan_config(shape), None).to_hf(titan.state_dict())
-        if shape.tie_word_embeddings:
-            hf_state.pop("lm_head.weight", None)
+        hf_state = to_hf(titan.state_dict(), shape)
         with torch.no_grad():
             compat.vllm_model(engine).load_weights((k, v.bfloat16()) for k, v in hf_state.items())
         params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, logprobs=0, ignore_eos=True)

@@ -51,7 +51,8 @@ from torchtitan_rl import compat  # noqa: E402  (import before torchtitan)
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig  # noqa: E402
 from torchtitan_rl.config.job_config import TrainerConfig  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
-from torchtitan_rl.models.qwen3 import build_titan_model, resolve_shape  # noqa: E402
+from torchtitan_rl.models.families import resolve_shape  # noqa: E402
+from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
 from torchtitan_rl.weight_sync.nccl import (  # noqa: E402
     NcclReceiver, NcclSender, _broadcast, _get, init_world,
 )
@@ -367,7 +368,7 @@ def generator_vllm(world, flavor: str, args, workdir: Path) -> None:
         model_dir = workdir / f"native_{flavor}"
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(
-            json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]})
+            json.dumps(shape.to_hf_config())
         )
         with compat.vllm_device(world.device):
             engine = LLMEngine.from_engine_args(EngineArgs(

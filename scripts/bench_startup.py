@@ -33,7 +33,8 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
     from torchtitan_rl import compat
     from torchtitan_rl.config import ModelConfig, SamplingConfig, WeightSyncConfig, parse_args
     from torchtitan_rl.generator.generator import Generator
-    from torchtitan_rl.models.qwen3 import build_titan_model, resolve_shape, titan_config
+    from torchtitan_rl.models.families import resolve_shape, to_hf
+    from torchtitan_rl.models.shape import build_titan_model
 
     workdir = Path(tempfile.mkdtemp(prefix="startup_"))
     cfg = parse_args(["--config", config, "--job.output_dir", str(workdir)])
@@ -46,7 +47,6 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
     sampling = SamplingConfig(temperature=1.0, max_tokens=16)
     if kind == "dummy":
         from safetensors.torch import save_file
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
         from torchtitan_rl.weight_sync import WeightSync
 
@@ -66,10 +66,10 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
         # The HF checkpoint the auto starts load: the same weights, bf16 safetensors.
         t = time.perf_counter()
         ckpt.mkdir(parents=True, exist_ok=True)
-        hf_state = Qwen3StateDictAdapter(titan_config(shape), None).to_hf(titan.state_dict())
+        hf_state = to_hf(titan.state_dict(), shape)
         save_file({k: v.contiguous().bfloat16().cpu() for k, v in hf_state.items()}, ckpt / "model.safetensors")
         (ckpt / "config.json").write_text(
-            json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]})
+            json.dumps(shape.to_hf_config())
         )
         res["checkpoint_write_s"] = time.perf_counter() - t
         res["checkpoint_bytes"] = (ckpt / "model.safetensors").stat().st_size

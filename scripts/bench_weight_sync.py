@@ -38,7 +38,8 @@ from bench_common import median_seconds, synchronize, table, write_section  # no
 from torchtitan_rl import compat  # noqa: E402
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
 from torchtitan_rl.generator.generator import Generator  # noqa: E402
-from torchtitan_rl.models.qwen3 import build_titan_model, resolve_shape, titan_config  # noqa: E402
+from torchtitan_rl.models.families import resolve_shape, to_hf  # noqa: E402
+from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
 from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
 
 RAY_STUB = Path(__file__).resolve().parent / "gpu" / "stubs"
@@ -54,7 +55,7 @@ def native_engine(shape, workdir: Path, device: str):
     model_dir = workdir / "native"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(
-        json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]})
+        json.dumps(shape.to_hf_config())
     )
     return compat.build_llm_engine(
         model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=128,
@@ -65,11 +66,7 @@ def native_engine(shape, workdir: Path, device: str):
 
 def hf_weights(trainer, shape) -> dict[str, torch.Tensor]:
     """The trainer's weights in HF names and layout (what vLLM's native Qwen3 loads)."""
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-
-    hf_state = Qwen3StateDictAdapter(titan_config(shape), None).to_hf(trainer.state_dict())
-    if shape.tie_word_embeddings:
-        hf_state.pop("lm_head.weight", None)
+    hf_state = to_hf(trainer.state_dict(), shape)
     return {k: v.detach().contiguous() for k, v in hf_state.items()}
 
 
@@ -133,7 +130,7 @@ def _native_dir(shape, workdir: Path) -> Path:
     model_dir = workdir / "native"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(
-        json.dumps({**shape.to_hf_config(), "architectures": ["Qwen3ForCausalLM"]})
+        json.dumps(shape.to_hf_config())
     )
     return model_dir
 

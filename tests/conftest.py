@@ -13,3 +13,48 @@ def smollm2_dir() -> Path:
     from torchtitan_rl.models.fetch import fetch
 
     return fetch("smollm2-135m-instruct", REPO / "models" / "smollm2-135m-instruct")
+
+
+TINY_HF = {
+    # Two families, one of each embedding layout: Llama tied (as SmolLM2), Qwen3 untied.
+    "llama": dict(tie_word_embeddings=True, rope_theta=100_000.0, rms_norm_eps=1e-5),
+    "qwen3": dict(tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """Factory: family name -> a random transformers checkpoint folder of that family (made once).
+
+    Built and saved by transformers itself (LlamaForCausalLM / Qwen3ForCausalLM,
+    save_pretrained, fp32 safetensors; a tied model stores no lm_head.weight).
+    Weights are redrawn larger than HF's init (norms 1 +- 0.2, projections
+    ~1/sqrt(fan_in)) so that logprobs spread and a wrong layout cannot hide
+    in near-uniform outputs.
+    """
+    made = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            import torch
+            from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+            config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+            config = config_cls(
+                vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **TINY_HF[family],
+            )
+            torch.manual_seed(0)
+            model = model_cls(config)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if p.dim() == 1:  # RMSNorm weights (Qwen3's q_norm/k_norm included)
+                        p.copy_(1 + 0.2 * torch.randn_like(p))
+                    else:
+                        p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else p.shape[1] ** -0.5))
+            folder = tmp_path_factory.mktemp(f"hf_{family}")
+            model.save_pretrained(folder)
+            made[family] = folder
+        return made[family]
+
+    return make

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from torchtitan_rl.config import GeneratorConfig, ModelConfig
-from torchtitan_rl.models.qwen3 import Qwen3Shape, build_titan_model, resolve_shape
+from torchtitan_rl.models.families import resolve_shape
+from torchtitan_rl.models.shape import ModelShape, build_titan_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_shape() -> Qwen3Shape:
+def tiny_shape() -> ModelShape:
     return resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
 
 

@@ -54,7 +54,7 @@ def build_llm_engine(
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import EngineArgs, LLMEngine
 
-    from torchtitan_rl.models.vllm_qwen3 import register
+    from torchtitan_rl.models.vllm_model import register
 
     register()
     fields = {f.name for f in dataclasses.fields(EngineArgs)}

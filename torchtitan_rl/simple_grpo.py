@@ -63,6 +63,10 @@ def run(cfg: JobConfig) -> list[dict]:
     task = build_task(cfg.grpo.task)
     device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
+    if cfg.job.export_dir is not None:
+        from torchtitan_rl.export import check_target
+
+        check_target(cfg.job.export_dir)  # before training, not after it
     world = None
     if cfg.weight_sync.transport == "nccl":
         # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
@@ -176,6 +180,11 @@ def run(cfg: JobConfig) -> list[dict]:
                 mismatch=f"{record['mismatch_mean']:.1e}", tok_s=f"{record['gen_tokens_per_s']:.0f}",
             )
 
+        if cfg.job.export_dir is not None:  # every trainer rank: sharded tensors are gathered
+            from torchtitan_rl.export import export_hf
+
+            export_hf(trainer.sync_state(), shape=shape, out_dir=cfg.job.export_dir,
+                      tokenizer_dir=cfg.model.hf_checkpoint, lora=cfg.model.lora, dtype=cfg.model.dtype)
         plot = logger.close()
         history = logger.history
         if rank == 0 and history:
@@ -195,12 +204,14 @@ def run(cfg: JobConfig) -> list[dict]:
 
 def run_shape(cfg: JobConfig, task):
     """The run's model shape; the tiny flavor takes the task tokenizer's vocabulary."""
-    from torchtitan_rl.models.qwen3 import resolve_shape
+    from torchtitan_rl.models.families import FLAVORS, resolve_shape
 
+    flavor = FLAVORS.get(cfg.model.flavor)
+    takes_task_vocab = flavor is not None and flavor.vocab_size == 0  # the tiny flavors
     shape = resolve_shape(
         flavor=cfg.model.flavor,
         hf_checkpoint=cfg.model.hf_checkpoint,
-        vocab_size=cfg.model.vocab_size or (task.vocab_size if cfg.model.flavor == "tiny" else 0),
+        vocab_size=cfg.model.vocab_size or (task.vocab_size if takes_task_vocab else 0),
         max_seq_len=cfg.model.max_seq_len,
     )
     if shape.vocab_size < task.vocab_size:

@@ -29,7 +29,7 @@ from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, parse_args  #
 from torchtitan_rl.generator.generator import Generator  # noqa: E402
 from torchtitan_rl.grpo import build_task  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
-from torchtitan_rl.models.qwen3 import resolve_shape  # noqa: E402
+from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.trainer import Trainer  # noqa: E402
 from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
 

@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
-from torchtitan_rl.models.qwen3 import Qwen3Shape, resolve_shape
+from torchtitan_rl.models.families import resolve_shape
+from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.trainer import Trainer
 
 from .helpers import VOCAB
 
 
 @pytest.fixture(scope="session")
-def shape() -> Qwen3Shape:
+def shape() -> ModelShape:
     return resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=VOCAB, max_seq_len=64)
 
 

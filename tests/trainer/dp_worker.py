@@ -22,7 +22,7 @@ from torchtitan_rl.config.job_config import (
     ParallelismConfig,
     TrainerConfig,
 )
-from torchtitan_rl.models.qwen3 import resolve_shape
+from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.trainer import TrainBatch, Trainer
 
 SPLITS = [slice(0, 5), slice(5, 8)]

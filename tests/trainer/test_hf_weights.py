@@ -7,17 +7,14 @@ import safetensors.torch
 import torch
 
 from torchtitan_rl.config.job_config import ModelConfig
-from torchtitan_rl.models.qwen3 import build_titan_model, resolve_shape, titan_config
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan_rl.models.families import resolve_shape, to_hf
+from torchtitan_rl.models.shape import build_titan_model
 
 
 def _write_hf_checkpoint(shape, folder, *, seed: int) -> dict[str, torch.Tensor]:
     """A tiny HF-format checkpoint of a seeded model; returns the model's parameters."""
     model = build_titan_model(shape, seed=seed)
-    hf_state = Qwen3StateDictAdapter(titan_config(shape), None).to_hf(model.state_dict())
-    if shape.tie_word_embeddings:
-        hf_state.pop("lm_head.weight", None)  # tied: HF stores only the embedding
-    hf_state = {k: v.contiguous() for k, v in hf_state.items()}
+    hf_state = {k: v.contiguous() for k, v in to_hf(model.state_dict(), shape).items()}
     folder.mkdir()
     safetensors.torch.save_file(hf_state, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(shape.to_hf_config()))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.models.qwen3 import build_titan_model
+from torchtitan_rl.models.shape import build_titan_model
 
 from .helpers import make_batch
 

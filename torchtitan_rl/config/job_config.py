@@ -19,6 +19,8 @@ class JobSection:
     """Seed for model init, prompt sampling and generation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device for trainer and generator; auto picks cuda when available."""
+    export_dir: str | None = None
+    """After the last step, write the policy here as a Hugging Face folder (torchtitan_rl/export.py); must not exist or be empty."""
 
 
 @dataclass(kw_only=True)
@@ -38,9 +40,9 @@ class LoRAConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     flavor: str = "tiny"
-    """Qwen3 shape: tiny (CPU tests), debugmodel, 0.6B, 1.7B, 4B, 8B."""
+    """Shape for random init: Qwen3 tiny (CPU tests), debugmodel, 0.6B, 1.7B, 4B, 8B; Llama tiny-llama, smollm2-135m."""
     hf_checkpoint: str | None = None
-    """Local Hugging Face directory with real Qwen3 weights; none means seeded random init."""
+    """Local Hugging Face folder (Qwen3ForCausalLM or LlamaForCausalLM); its config sets the shape. None: seeded random init."""
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Compute dtype of the generator and of the trainer's forward/backward."""
     vocab_size: int = 0

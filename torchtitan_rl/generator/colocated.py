@@ -14,14 +14,14 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.generator.generator import Generator, Rollouts
-from torchtitan_rl.models.qwen3 import Qwen3Shape
+from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import WeightSync
 
 
 class ColocatedGenerator:
     """The generator in trainer rank 0's process; every trainer rank calls each method together."""
 
-    def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], shape: Qwen3Shape,
+    def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], shape: ModelShape,
                  device: torch.device, workdir: Path) -> None:
         self.generator = None
         if dist.get_rank() == 0:

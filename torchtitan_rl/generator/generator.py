@@ -15,8 +15,8 @@ import torch
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
-from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape
-from torchtitan_rl.models.vllm_qwen3 import BATCH_INVARIANT_KEY, LORA_KEY
+from torchtitan_rl.models.shape import ModelShape
+from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH
 
 
 class WeightsNotSyncedError(RuntimeError):
@@ -46,7 +46,7 @@ class Generator:
         config: GeneratorConfig,
         *,
         model_config: ModelConfig,
-        shape: Qwen3Shape,
+        shape: ModelShape,
         seed: int,
         device: str,
         workdir: Path,

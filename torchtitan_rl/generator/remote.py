@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.generator.generator import Generator, Rollouts
-from torchtitan_rl.models.qwen3 import Qwen3Shape
+from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
 from torchtitan_rl.weight_sync.nccl import store_value
 
@@ -121,7 +121,7 @@ class RemoteGenerator:
 # -------------------------------------------------------------- generator side
 
 
-def serve(cfg: JobConfig, *, world: World, shape: Qwen3Shape, workdir: Path) -> None:
+def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> None:
     """The generator rank's whole run: build the engine, answer trainer rank 0 until "stop"."""
     assert world.role == "generator"
     # torchrun ends this rank with SIGTERM when a trainer rank fails: say where it was.

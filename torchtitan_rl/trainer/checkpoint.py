@@ -114,3 +114,12 @@ def load(
         optimizer.state.clear()  # saved before the first step: Adam starts fresh
     scheduler.load_state_dict(trainer_state["lr_scheduler"])
     return trainer_state
+
+
+def load_model(path: Path, *, model: torch.nn.Module) -> None:
+    """Restore only the model's parameters, in place (an export needs no optimizer).
+
+    ``model`` may be unsharded in a process without a process group: DCP
+    reassembles whatever sharding the run saved with.
+    """
+    dcp.load({"model": _model_state(model)}, checkpoint_id=path)

@@ -24,7 +24,7 @@ from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConf
 from torchtitan_rl.grpo.loss import grpo_loss
 from torchtitan_rl.models.batch_invariant import make_batch_invariant, sampler_token_logprobs
 from torchtitan_rl.models.lora import apply_lora
-from torchtitan_rl.models.qwen3 import Qwen3Shape, titan_config
+from torchtitan_rl.models.shape import ModelShape, titan_config
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.trainer.distributed import (
     build_parallel_dims,
@@ -65,7 +65,7 @@ class Trainer:
         config: TrainerConfig,
         *,
         model_config: ModelConfig,
-        shape: Qwen3Shape,
+        shape: ModelShape,
         seed: int,
         device: torch.device,
         output_dir: Path,
@@ -105,7 +105,7 @@ class Trainer:
         if model_config.hf_checkpoint is not None:
             load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
         if batch_invariant:
-            # The generator runs the same kernels (models/vllm_qwen3.py), so
+            # The generator runs the same kernels (models/vllm_model.py), so
             # logprobs match bit for bit.
             make_batch_invariant(model, replace_attention=True, device=self.device)
         self._sampler_logprobs = batch_invariant and self.device.type == "cuda"
@@ -355,7 +355,7 @@ class Trainer:
 
 
 def _build_model(
-    shape: Qwen3Shape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig
+    shape: ModelShape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig
 ) -> torch.nn.Module:
     """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
     config = titan_config(shape)

@@ -1,7 +1,8 @@
-"""torchtitan's Qwen3, run by vLLM.
+"""torchtitan's decoder (every family: models/families.py), run by vLLM.
 
 The generator runs the trainer's own model definition: same modules, same
-parameter names, same op sequence. Only the inner attention is swapped for
+parameter names, same op sequence. One vLLM architecture serves every
+family; the family is read from the config's ``model_type``. Only the inner attention is swapped for
 vLLM's paged attention (vLLM owns the KV cache). Because the linear layers
 are torchtitan's plain ``nn.Linear``, vLLM's CPU backend does not repack them,
 so writing a parameter in place changes what the generator computes.
@@ -16,8 +17,12 @@ import torch.nn as nn
 from torchtitan_rl import compat
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.models.lora import apply_lora
-from torchtitan_rl.models.qwen3 import TITAN_ARCH, Qwen3Shape, titan_config
+from torchtitan_rl.models.families import family_by_model_type, from_hf, shape_from_hf_config
+from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
 from torchtitan_rl.weight_sync.plan import Destination
+
+TITAN_ARCH = "TorchTitanForCausalLM"
+"""Architecture name under which the generator's model is registered in vLLM."""
 
 LORA_KEY = "torchtitan_rl_lora"
 """hf_overrides key: LoRAConfig fields when the generator applies adapters unmerged."""
@@ -40,7 +45,7 @@ class PagedAttention(nn.Module):
     to a multiple of ``KEY_TILE``.
     """
 
-    def __init__(self, *, shape: Qwen3Shape, cache_config, prefix: str, batch_invariant: bool = False) -> None:
+    def __init__(self, *, shape: ModelShape, cache_config, prefix: str, batch_invariant: bool = False) -> None:
         super().__init__()
         self.attn = compat.vllm_attention_cls()(
             num_heads=shape.num_attention_heads,
@@ -219,8 +224,8 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
     return _Plan(rows_T=rows_T, rows_needed=int(rows_T.max()) + 1 if len(rows_T) else 2, chunks=chunks)
 
 
-class TorchTitanQwen3ForCausalLM(nn.Module):
-    """vLLM model class (registered as ``TITAN_ARCH``) wrapping torchtitan's Qwen3."""
+class TorchTitanForCausalLM(nn.Module):
+    """vLLM model class (registered as ``TITAN_ARCH``) wrapping torchtitan's decoder."""
 
     is_text_generation_model = True
     supports_pp = False
@@ -229,7 +234,9 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
         hf_config = vllm_config.model_config.hf_config.to_dict()
-        self.shape = Qwen3Shape.from_hf_config(hf_config)
+        # architectures is TITAN_ARCH here (hf_overrides); model_type is still the family's.
+        family = family_by_model_type(hf_config["model_type"])
+        self.shape = shape_from_hf_config(hf_config, family=family, where="generator: the model's config.json")
         self.model = titan_config(self.shape).build()
         # Batch-invariant mode (flag carried in hf_overrides).
         batch_invariant = bool(hf_config.get(BATCH_INVARIANT_KEY, False))
@@ -277,17 +284,11 @@ class TorchTitanQwen3ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a Hugging Face checkpoint (load_format=auto, debugging without a trainer)."""
-        from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-
-        hf_state = dict(weights)
-        adapter = Qwen3StateDictAdapter(titan_config(self.shape), None)
-        titan_state = adapter.from_hf(hf_state)
-        if self.shape.tie_word_embeddings:
-            titan_state.pop("lm_head.weight", None)
+        titan_state = from_hf(dict(weights), self.shape)
         missing, unexpected = self.model.load_state_dict(titan_state, strict=False)
         missing = [
             k for k in missing
-            if not k.endswith("lm_head.weight") and ".inner_attention.attn." not in k
+            if not (self.shape.tie_word_embeddings and k == "lm_head.weight") and ".inner_attention.attn." not in k
         ]
         if missing or unexpected:
             raise ValueError(
@@ -321,7 +322,7 @@ def all_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in tensors.items()}
 
 
-def sync_targets(model: nn.Module, shape: Qwen3Shape) -> dict[str, Destination]:
+def sync_targets(model: nn.Module, shape: ModelShape) -> dict[str, Destination]:
     """Every tensor the trainer may write, by trainer names, as views.
 
     Native names (``wqkv``) map to the parameters themselves. torchtitan's
@@ -338,17 +339,9 @@ def sync_targets(model: nn.Module, shape: Qwen3Shape) -> dict[str, Destination]:
     }
     if shape.tie_word_embeddings:
         targets["lm_head.weight"] = targets["tok_embeddings.weight"]
-    n_kv = shape.num_key_value_heads
-    heads_per_kv = shape.num_attention_heads // n_kv
-    hd = shape.head_dim
     for name in [n for n in targets if n.endswith("qkv_linear.wqkv.weight")]:
         prefix = name[: -len("wqkv.weight")]
-        w = targets[name].view.view(n_kv, heads_per_kv + 2, hd, -1)
-        for key, view in (
-            ("wq", w[:, :heads_per_kv]),
-            ("wk", w[:, heads_per_kv]),
-            ("wv", w[:, heads_per_kv + 1]),
-        ):
+        for key, view in qkv_views(targets[name].view, shape).items():
             rows = view.numel() // view.shape[-1]
             targets[f"{prefix}{key}.weight"] = Destination(view, torch.Size([rows, view.shape[-1]]))
     return targets
@@ -359,4 +352,4 @@ def register() -> None:
     from vllm import ModelRegistry
 
     if TITAN_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(TITAN_ARCH, TorchTitanQwen3ForCausalLM)
+        ModelRegistry.register_model(TITAN_ARCH, TorchTitanForCausalLM)

@@ -1,0 +1,177 @@
+"""Export the policy as a Hugging Face folder that transformers and vLLM load as they are.
+
+    python -m torchtitan_rl.export --run-dir outputs/X [--step N] --out DIR
+
+The folder holds ``model.safetensors`` (HF names and layout), ``config.json``
+under the family's real architecture (Qwen3ForCausalLM, LlamaForCausalLM),
+``generation_config.json``, and the tokenizer files and chat template of
+``model.hf_checkpoint`` when the run had one. Weights are written in the
+run's ``model.dtype`` (bf16 by default): the weights the generator served
+and the trainer computed with, cast from the fp32 masters. A LoRA run's
+adapters are merged, ``W + alpha/r * B @ A`` in fp32, then cast.
+
+At the end of a run, simple_grpo calls ``export_hf`` when ``job.export_dir``
+is set; this command does the same from any saved checkpoint of a run.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.config import LoRAConfig
+from torchtitan_rl.models.families import to_hf
+from torchtitan_rl.models.lora import merged_state
+from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
+from torchtitan_rl.weight_sync.dtensor import full
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+"""Files copied from model.hf_checkpoint: the tokenizer and its chat template."""
+
+
+def check_target(out_dir: str | Path) -> Path:
+    """The export folder, which must be new or empty (an export never mixes with other files)."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"export: {out} exists and is not empty")
+    return out
+
+
+def export_hf(
+    state: dict[str, torch.Tensor],
+    *,
+    shape: ModelShape,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    lora: LoRAConfig | None = None,
+    dtype: str = "bfloat16",
+) -> Path:
+    """Write ``state`` (the trainer's tensors, e.g. ``Trainer.sync_state()``) as an HF folder.
+
+    Collective when ``state`` holds sharded DTensors: every trainer rank
+    calls it, tensors are gathered one at a time, rank 0 writes.
+    """
+    out = check_target(out_dir)
+    if lora is not None and lora.rank:
+        state = merged_state(state, lora)
+    torch_dtype = getattr(torch, dtype)
+    writes = dist.get_rank() == 0 if dist.is_initialized() else True
+    tensors = {}
+    for name, t in state.items():
+        whole = full(t).detach()  # every rank joins each gather, in the state's order
+        if not writes or name.endswith("rope.cache"):  # the RoPE cache is recomputed from config.json
+            continue
+        whole = whole.to("cpu", torch_dtype)
+        if name.endswith("qkv_linear.wqkv.weight"):
+            prefix = name[: -len("wqkv.weight")]
+            for key, view in qkv_views(whole, shape).items():
+                tensors[f"{prefix}{key}.weight"] = view.reshape(-1, shape.hidden_size)
+        else:
+            tensors[name] = whole
+    if not writes:
+        return out
+    hf_state = {k: v.contiguous() for k, v in to_hf(tensors, shape).items()}
+    expected = _expected_hf_shapes(shape)
+    assert {k: tuple(v.shape) for k, v in hf_state.items()} == expected, "exported tensors differ from the HF model's"
+
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = _hf_config(shape, tokenizer_dir, dtype)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else None
+    if source is not None and (source / "generation_config.json").is_file():
+        shutil.copy(source / "generation_config.json", tmp)
+    else:
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2))
+    for name in TOKENIZER_FILES:
+        if source is not None and (source / name).is_file():
+            shutil.copy(source / name, tmp)
+    if out.exists():
+        out.rmdir()  # empty, checked above
+    tmp.rename(out)  # complete or absent: a killed export leaves only *.partial
+    return out
+
+
+def _hf_config(shape: ModelShape, checkpoint: str | Path | None, dtype: str) -> dict:
+    """The checkpoint's own config.json (our shape was read from it) with the new dtype, else our shape's."""
+    path = Path(checkpoint) / "config.json" if checkpoint is not None else None
+    if path is None or not path.is_file():
+        return shape.to_hf_config(dtype=dtype)
+    config = json.loads(path.read_text())
+    config.pop("dtype", None)  # transformers 5 writes dtype, 4.x torch_dtype; both read torch_dtype
+    config["torch_dtype"] = dtype
+    return config
+
+
+def _expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes of the model (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = titan_config(shape).build()
+    return {k: tuple(v.shape) for k, v in to_hf(model.state_dict(), shape).items()}
+
+
+# ------------------------------------------------------------- from a saved checkpoint
+
+
+def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> Path:
+    """Export step ``step`` (default: the newest complete one) of the run in ``run_dir``."""
+    from torchtitan_rl.config import load_toml
+    from torchtitan_rl.grpo import build_task
+    from torchtitan_rl.models.lora import apply_lora
+    from torchtitan_rl.models.shape import build_titan_model
+    from torchtitan_rl.simple_grpo import run_shape
+    from torchtitan_rl.trainer import checkpoint
+
+    check_target(out)
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.toml"
+    if not config_path.is_file():
+        raise ValueError(f"export: --run-dir {run_dir} has no config.toml (not a run's output folder?)")
+    cfg = load_toml(config_path)
+    folder = run_dir / cfg.trainer.checkpoint.folder
+    found = dict(checkpoint.complete_checkpoints(folder))
+    if not found:
+        raise ValueError(f"export: no complete checkpoint in {folder}")
+    if step is None:
+        step = max(found)
+    if step not in found:
+        raise ValueError(f"export: --step {step}: no complete checkpoint step-{step} in {folder} (have {sorted(found)})")
+    shape = run_shape(cfg, build_task(cfg.grpo.task))
+    model = build_titan_model(shape, seed=cfg.job.seed)  # every parameter is then read from the checkpoint
+    if cfg.model.lora.rank:
+        apply_lora(model, cfg.model.lora)
+    checkpoint.load_model(found[step], model=model)
+    return export_hf(
+        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=cfg.model.hf_checkpoint,
+        lora=cfg.model.lora, dtype=cfg.model.dtype,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_rl.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True, help="a run's output folder (config.toml + checkpoints)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
+    parser.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.run_dir, out=args.out, step=args.step)
+    except ValueError as e:
+        print(f"torchtitan_rl: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"torchtitan_rl: exported {args.run_dir} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The model families and flavors, and a run's shape from a flavor or an HF checkpoint.
+
+A checkpoint's family is its config.json ``architectures``; a flavor's is
+written in its shape. HF tensor names <-> ours go through the family's
+torchtitan state-dict adapter (``from_hf`` / ``to_hf``).
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from torchtitan_rl.models import llama, qwen3
+from torchtitan_rl.models.shape import Family, ModelShape, titan_config
+
+FAMILIES: tuple[Family, ...] = (qwen3.QWEN3, llama.LLAMA)
+
+FLAVORS: dict[str, ModelShape] = {**qwen3.FLAVORS, **llama.FLAVORS}
+"""Named shapes for seeded random weights; a vocab_size of 0 takes the run's (the task tokenizer's)."""
+
+
+def family_by_model_type(model_type: str) -> Family:
+    """The family of a config whose ``architectures`` is not a checkpoint's own (the generator's)."""
+    found = [f for f in FAMILIES if f.model_type == model_type]
+    assert found, f"no family with model_type {model_type!r}"
+    return found[0]
+
+
+def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) -> ModelShape:
+    """A config.json's shape. The family comes from ``architectures`` unless given.
+
+    ``where`` names the config in errors, e.g. "model.hf_checkpoint: ckpt/config.json".
+    Anything this decoder does not compute (RoPE scaling, biases, sliding
+    windows, another activation) is a ValueError rather than a silently
+    different model.
+    """
+    if family is None:
+        archs = hf.get("architectures") or []
+        found = [f for f in FAMILIES if archs == [f.hf_architecture]]
+        if not found:
+            supported = ", ".join(f.hf_architecture for f in FAMILIES)
+            raise ValueError(f"{where}: architecture {archs} is not supported (supported: {supported})")
+        family = found[0]
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    unsupported = []
+    if hf.get("rope_scaling") is not None:
+        unsupported.append(f"rope_scaling {hf['rope_scaling']}")
+    if rope.get("rope_type", "default") != "default":
+        unsupported.append(f"rope_parameters.rope_type {rope['rope_type']!r}")
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act {hf['hidden_act']!r}")
+    unsupported += [f"{key} true" for key in ("attention_bias", "mlp_bias", "use_sliding_window") if hf.get(key)]
+    if unsupported:
+        raise ValueError(f"{where}: not supported by this decoder: {', '.join(unsupported)}")
+    names = {f.name for f in dataclasses.fields(ModelShape)} - {"family", "head_dim", "rope_theta", "rms_norm_eps"}
+    missing = sorted(n for n in names if hf.get(n) is None)
+    if missing:
+        raise ValueError(f"{where}: missing {missing}")
+    return ModelShape(
+        family=family,
+        **{n: hf[n] for n in names},
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+        rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or family.rope_theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps") or family.rms_norm_eps),
+    )
+
+
+def resolve_shape(*, flavor: str, hf_checkpoint: str | None, vocab_size: int, max_seq_len: int) -> ModelShape:
+    """The model shape a run uses: the HF checkpoint's if given, else the flavor's."""
+    if hf_checkpoint is not None:
+        config_path = Path(hf_checkpoint) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"model.hf_checkpoint: no config.json in {hf_checkpoint}")
+        return shape_from_hf_config(json.loads(config_path.read_text()), where=f"model.hf_checkpoint: {config_path}")
+    if flavor not in FLAVORS:
+        raise ValueError(f"model.flavor: unknown flavor {flavor!r}; choose from {sorted(FLAVORS)}")
+    shape = FLAVORS[flavor]
+    if vocab_size:
+        shape = dataclasses.replace(shape, vocab_size=vocab_size)
+    if shape.vocab_size <= 0:
+        raise ValueError(f"model.vocab_size: flavor {flavor!r} needs a vocab size")
+    # The RoPE cache (fp32, one per layer, in trainer and generator alike) only
+    # needs the run's longest sequence: 40960 positions would be 1.2 GB at 0.6B.
+    return dataclasses.replace(shape, max_position_embeddings=max_seq_len)
+
+
+def from_hf(hf_state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """HF tensors by our checkpoint-format names (wq/wk/wv; the model's load hook fuses them).
+
+    Tied shapes leave out lm_head.weight: the embedding is the truth, and
+    tied checkpoints may or may not carry a copy.
+    """
+    adapter = shape.family.state_dict_adapter(titan_config(shape), None)
+    state = adapter.from_hf(dict(hf_state))
+    if shape.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def to_hf(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """Our checkpoint-format tensors (wq/wk/wv) by HF names; tied shapes store only the embedding."""
+    adapter = shape.family.state_dict_adapter(titan_config(shape), None)
+    hf_state = adapter.to_hf(dict(state))
+    if shape.tie_word_embeddings:
+        hf_state.pop("lm_head.weight", None)
+    return hf_state

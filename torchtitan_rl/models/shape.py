@@ -1,0 +1,169 @@
+"""One description of a model, and torchtitan's decoder built from it.
+
+A ``ModelShape`` (Hugging Face field names plus its ``Family``) is the single
+description of a model: the trainer builds torchtitan's decoder from it, the
+generator writes it as the ``config.json`` vLLM reads, an export writes it
+for transformers, and a local HF checkpoint's ``config.json`` is read back
+into it (models/families.py). Every family is built from torchtitan's Qwen3
+decoder blocks; a family only says what differs (models/qwen3.py,
+models/llama.py; docs/design.md says why one decoder serves both).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import torchtitan_rl.compat  # noqa: F401  (must run before torchtitan is imported)
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+from torchtitan.models.qwen3 import (  # private init tables: pinned torchtitan==0.3.0
+    _EMBEDDING_INIT,
+    _EMBEDDING_SKIP_INIT,
+    _LINEAR_INIT,
+    _NORM_INIT,
+)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Family:
+    """What one model family changes on the shared decoder (one instance per family: compared by identity)."""
+
+    name: str
+    """Our name of the family (a ModelShape's ``family``)."""
+    hf_architecture: str
+    """config.json ``architectures`` of its Hugging Face checkpoints, e.g. LlamaForCausalLM."""
+    model_type: str
+    """config.json ``model_type`` (picks the transformers config class)."""
+    qk_norm: bool
+    """RMSNorm of each query and key head before RoPE (Qwen3 has it, Llama not)."""
+    rope_theta: float
+    """RoPE base when a config.json does not give one."""
+    rms_norm_eps: float
+    """RMSNorm epsilon when a config.json does not give one."""
+    hf_config_extra: dict
+    """Further config.json fields transformers' class reads (all the decoder's fixed choices)."""
+    state_dict_adapter: type
+    """torchtitan StateDictAdapter class mapping HF tensor names to ours and back."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    family: Family
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rms_norm_eps: float
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    def to_hf_config(self, *, dtype: str = "bfloat16") -> dict:
+        """config.json of this shape, under the family's real HF architecture."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "family"}
+        return {
+            "architectures": [self.family.hf_architecture],
+            "model_type": self.family.model_type,
+            "torch_dtype": dtype,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            **self.family.hf_config_extra,
+            # Top-level rope_theta: transformers 5 turns it into rope_parameters, 4.x reads it as is.
+            **fields,
+        }
+
+
+def titan_config(shape: ModelShape, *, inner_attention=None) -> Qwen3Model.Config:
+    """torchtitan's decoder config for a shape, with a chosen inner attention.
+
+    torchtitan's Qwen3 blocks with the family's QK-norm choice and the
+    shape's RMSNorm epsilon; initialisation as torchtitan's Qwen3 (so a
+    seeded Qwen3 is the one torchtitan's own builder makes).
+    """
+    if inner_attention is None:
+        # Causal SDPA: no masks needed for right-padded batches, and it runs on CPU.
+        inner_attention = ScaledDotProductAttention.Config()
+    eps = shape.rms_norm_eps
+
+    def norm(dim: int) -> RMSNorm.Config:
+        return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=_NORM_INIT)
+
+    rope = CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_position_embeddings, theta=shape.rope_theta)
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=norm(shape.hidden_size),
+            ffn_norm=norm(shape.hidden_size),
+            attention=make_gqa_config(
+                dim=shape.hidden_size,
+                n_heads=shape.num_attention_heads,
+                n_kv_heads=shape.num_key_value_heads,
+                head_dim=shape.head_dim,
+                wqkv_param_init=_LINEAR_INIT,
+                wo_param_init=_LINEAR_INIT,
+                inner_attention=inner_attention,
+                fuse_qkv=True,
+                rope=rope,
+                qk_norm=norm(shape.head_dim) if shape.qk_norm else None,
+            ),
+            feed_forward=make_ffn_config(
+                dim=shape.hidden_size,
+                hidden_dim=shape.intermediate_size,
+                w1_param_init=_LINEAR_INIT,
+                w2w3_param_init=_LINEAR_INIT,
+            ),
+        )
+        for _ in range(shape.num_hidden_layers)
+    ]
+    tied = shape.tie_word_embeddings
+    return Qwen3Model.Config(
+        vocab_size=shape.vocab_size,
+        dim=shape.hidden_size,
+        norm=norm(shape.hidden_size),
+        enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=shape.vocab_size,
+            embedding_dim=shape.hidden_size,
+            param_init=_EMBEDDING_SKIP_INIT if tied else _EMBEDDING_INIT,
+        ),
+        lm_head=Linear.Config(in_features=shape.hidden_size, out_features=shape.vocab_size, param_init=_LINEAR_INIT),
+        layers=layers,
+    )
+
+
+def build_titan_model(
+    shape: ModelShape, *, seed: int, device: torch.device | str = "cpu", inner_attention=None
+) -> Qwen3Model:
+    """A torchtitan decoder with seeded random weights (fp32) on ``device``."""
+    config = titan_config(shape, inner_attention=inner_attention)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device(device))
+    return model
+
+
+def qkv_views(wqkv: torch.Tensor, shape: ModelShape) -> dict[str, torch.Tensor]:
+    """HF's q/k/v projections (torchtitan's checkpoint names wq/wk/wv) as views into the fused ``wqkv``.
+
+    torchtitan fuses per KV group: rows are [q heads of group 0, k 0, v 0,
+    q heads of group 1, ...], each ``head_dim`` rows. Each view is 3- or
+    4-dimensional; ``reshape(-1, in_features)`` gives HF's 2-D weight.
+    """
+    n_kv = shape.num_key_value_heads
+    per_kv = shape.num_attention_heads // n_kv
+    w = wqkv.view(n_kv, per_kv + 2, shape.head_dim, -1)
+    return {"wq": w[:, :per_kv], "wk": w[:, per_kv], "wv": w[:, per_kv + 1]}
