@@ -28,13 +28,13 @@ def measure(cfg, *, repeats: int, out_dir: Path, profile: bool = False) -> dict:
     import torch
 
     from torchtitan_rl.generator.generator import Generator
-    from torchtitan_rl.grpo import build_task, group_advantages
+    from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import pack_rollouts
-    from torchtitan_rl.simple_grpo import run_device, run_shape
+    from torchtitan_rl.simple_grpo import run_device, run_shape, run_task
     from torchtitan_rl.trainer import TrainBatch, Trainer
     from torchtitan_rl.weight_sync import WeightSync
 
-    task = build_task(cfg.grpo.task)
+    task = run_task(cfg)
     device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
     bi = cfg.batch_invariant_mode

@@ -25,13 +25,12 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     import torch
 
     from torchtitan_rl.generator.generator import Generator
-    from torchtitan_rl.grpo import build_task
     from torchtitan_rl.grpo.batch import pack_rollouts
-    from torchtitan_rl.simple_grpo import run_device, run_shape
+    from torchtitan_rl.simple_grpo import run_device, run_shape, run_task
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.weight_sync import WeightSync
 
-    task = build_task(cfg.grpo.task)
+    task = run_task(cfg)
     device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
     bi = cfg.batch_invariant_mode

@@ -14,6 +14,8 @@ from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.shape import ModelShape, build_titan_model
 
 REPO = Path(__file__).resolve().parents[1]
+SAMPLE_DATASET = REPO / "torchtitan_rl" / "grpo" / "tasks" / "data" / "gsm8k_style_sample.jsonl"
+"""The shipped GSM8K-style sample (grpo.task = "dataset")."""
 
 PROMPTS = [[1, 4, 5, 6, 14], [1, 7, 7, 2, 14], [1, 13, 4, 9, 14]]
 
@@ -160,13 +162,16 @@ def run_cli(*args, world_size=None, cwd=None):
     return run_module("torchtitan_rl.simple_grpo", *args, world_size=world_size, cwd=cwd)
 
 
-def assert_one_line_error(proc, *expected):
-    """Exit 2 and one 'config error: ...' line on stderr holding every ``expected`` text."""
+def assert_one_line_error(proc, *expected, prefix="config error: "):
+    """Exit 2 and one '<prefix>...' line on stderr holding every ``expected`` text.
+
+    The prefix is "config error: " for what parsing finds, "torchtitan_rl: error: " for
+    what the run finds before it starts (a dataset, a tokenizer, a checkpoint)."""
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("config error: "), lines[0]
+    assert lines[0].startswith(prefix), lines[0]
     for text in expected:
         assert text in lines[0], lines[0]
     return lines[0]

@@ -10,7 +10,7 @@ import gc
 import json
 from pathlib import Path
 
-from tests.helpers import BF16_MISMATCH_MEAN
+from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 
@@ -115,3 +115,81 @@ def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
     history = run(cfg)
     assert [r["mismatch_frac_tokens"] for r in history] == [0.0, 0.0, 0.0]
     assert all(r["mismatch_max"] == 0.0 for r in history)
+
+
+# ------------------------------------------- tasks on a real tokenizer, held-out evaluation
+
+
+def _chat_config(output_dir: Path, tokenizer_dir: Path, *, steps: int, task: str = "math", **task_fields) -> JobConfig:
+    """The tiny random Qwen3 on SmolLM2's tokenizer (49152 ids) and chat template: small and fast,
+    it answers nothing right, but its samples, logprobs and the loop's bookkeeping are real."""
+    cfg = _config(output_dir, steps=steps)
+    cfg.grpo.task = task
+    cfg.grpo.prompts_per_step, cfg.grpo.group_size = 3, 4
+    cfg.task.tokenizer = str(tokenizer_dir)
+    cfg.task.heldout_size = 8
+    for name, value in task_fields.items():
+        setattr(cfg.task, name, value)
+    cfg.model.max_seq_len = cfg.generator.max_model_len = 128
+    cfg.generator.sampling.max_tokens = 8
+    validate(cfg)
+    return cfg
+
+
+def _training_metrics(history: list[dict]) -> list[tuple]:
+    # mismatch_mean and tokens change with any sampled token; the tiny model's rewards are all 0.
+    return [(r["step"], r["reward_mean"], r["loss"], r["grad_norm"], r["mismatch_mean"], r["tokens"]) for r in history]
+
+
+def test_heldout_evaluation_does_not_change_the_training_samples(tmp_path, smollm2_dir):
+    off = run(_chat_config(tmp_path / "off", smollm2_dir, steps=3))
+    cfg = _chat_config(tmp_path / "on", smollm2_dir, steps=3)
+    cfg.eval.every_n_steps, cfg.eval.mean_at_k = 2, 2
+    on = run(cfg)
+
+    assert _training_metrics(on) == _training_metrics(off)
+    assert {r["mismatch_mean"] for r in on} != {0.0}  # the comparison has something to compare
+    evals = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if "eval_accuracy" in r]
+    # Before the first step, every 2 steps, and after the last (one more sync).
+    assert [(r["step"], r["eval_weight_version"]) for r in evals] == [(0, 0), (2, 2), (3, 3)]
+    assert all(r["eval_prompts"] == 8 and 0 <= r["eval_accuracy"] <= 1 and "eval_mean_at_2" in r for r in evals)
+    assert not (tmp_path / "off" / "metrics.jsonl").read_text().count("eval_")
+
+
+def test_dataset_resume_draws_the_prompts_of_an_uninterrupted_run(tmp_path, smollm2_dir):
+    # 10 problems, 2 held out: 8 per epoch at 3 prompts per step, so the resumed
+    # step 2 finishes epoch 1 (order from the checkpoint) and starts epoch 2.
+    rows = [{"question": f"What is {i} + {i + 1}?", "answer": f"#### {2 * i + 1}"} for i in range(10)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def config(name: str, steps: int) -> JobConfig:
+        cfg = _chat_config(tmp_path / name, smollm2_dir, steps=steps, task="dataset", path=str(data),
+                           heldout_fraction=0.2)
+        cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
+        return cfg
+
+    a = run(config("a", 4))
+    run(config("b", 2))
+    resumed = config("b", 4)
+    resumed.resume = True
+    b = run(resumed)
+    assert [r["step"] for r in b] == [2, 3]
+    assert _training_metrics(b) == _training_metrics(a[2:])
+
+
+def test_cli_bad_dataset_line_is_one_line_and_exit_2(tmp_path, smollm2_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": \n')
+    proc = run_cli("--grpo.task", "dataset", "--task.tokenizer", str(smollm2_dir), "--task.path", str(data),
+                   "--job.output_dir", str(tmp_path / "out"))
+    assert_one_line_error(proc, f"task.path: {data}:2: invalid JSON", prefix="torchtitan_rl: error: ")
+
+
+def test_cli_digits_on_a_pretrained_checkpoint_is_one_line_and_exit_2(tmp_path, smollm2_dir):
+    proc = run_cli("--model.hf_checkpoint", str(smollm2_dir), "--job.output_dir", str(tmp_path))
+    assert_one_line_error(
+        proc, "grpo.task 'digits': its tokenizer (16 token ids) is not the tokenizer of model.hf_checkpoint",
+        prefix="torchtitan_rl: error: ",
+    )

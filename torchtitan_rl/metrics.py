@@ -5,12 +5,17 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl and TensorBoard events under the output folder (rank 0 only)."""
+    """Writes metrics.jsonl and TensorBoard events under the output folder (rank 0 only).
+
+    metrics.jsonl holds one line per step and one per held-out evaluation
+    (the latter's keys start with ``eval_``).
+    """
 
     def __init__(self, output_dir: Path, *, enabled: bool) -> None:
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         self.history: list[dict] = []
+        self.eval_history: list[dict] = []
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -28,6 +33,18 @@ class MetricsLogger:
         for key, value in metrics.items():
             self._tb.add_scalar(key, value, step)
 
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """A held-out evaluation of the weights after ``step`` optimizer steps: its own JSONL line
+        (keys eval_*), TensorBoard under eval/."""
+        record = {"step": step, **metrics}
+        self.eval_history.append(record)
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key, value in metrics.items():
+            self._tb.add_scalar(f"eval/{key.removeprefix('eval_')}", value, step)
+
     def close(self) -> Path | None:
         """Flush and draw reward and logprob mismatch over steps; returns the PNG path."""
         if not self.enabled:
@@ -44,6 +61,9 @@ class MetricsLogger:
         steps = [r["step"] for r in self.history]
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
         top.plot(steps, [r["reward_mean"] for r in self.history], label="mean reward")
+        if self.eval_history:
+            top.plot([r["step"] for r in self.eval_history], [r["eval_accuracy"] for r in self.eval_history],
+                     marker="o", label="held-out accuracy (greedy)")
         top.set_ylabel("reward")
         top.legend()
         bottom.plot(steps, [r["mismatch_mean"] for r in self.history], label="mean |Δ logprob|")

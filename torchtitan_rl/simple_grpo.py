@@ -51,8 +51,9 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.config import validate
     from torchtitan_rl.generator.colocated import ColocatedGenerator
     from torchtitan_rl.generator.remote import RemoteGenerator, serve
-    from torchtitan_rl.grpo import build_task, group_advantages
+    from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
+    from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.trainer.trainer import TrainBatch
@@ -60,7 +61,7 @@ def run(cfg: JobConfig) -> list[dict]:
 
     started = time.perf_counter()
     out = Path(cfg.job.output_dir)
-    task = build_task(cfg.grpo.task)
+    task = run_task(cfg)
     device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
     if cfg.job.export_dir is not None:
@@ -82,6 +83,10 @@ def run(cfg: JobConfig) -> list[dict]:
             device=device, output_dir=out, batch_invariant=cfg.batch_invariant_mode,
         )
 
+    evaluator = None
+    if cfg.eval.every_n_steps:
+        evaluator = Evaluator(cfg.eval, task=task, spec=cfg.grpo.task, sampling=cfg.generator.sampling,
+                              seed=cfg.job.seed)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
@@ -106,6 +111,7 @@ def run(cfg: JobConfig) -> list[dict]:
             extra = trainer.load_latest_checkpoint()
             if extra is not None:
                 prompt_rng.setstate(_tuples(extra["prompt_rng"]))
+                task.load_state_dict(extra.get("task", {}))  # a dataset's place in its epoch
                 start = trainer.step
 
         temperature = cfg.generator.sampling.temperature
@@ -127,6 +133,9 @@ def run(cfg: JobConfig) -> list[dict]:
                 seed=cfg.job.seed * 1_000_003 + step,
             )
             gen_s = time.perf_counter() - t_gen
+            # held-out accuracy of the same weights; the training samples above are already drawn
+            if evaluator and evaluator.due(step, first=start):
+                logger.log_eval(step, evaluator.run(generator, step=step))
 
             # 3. score, 4. group-relative advantages
             rewards_B = torch.tensor(
@@ -158,7 +167,9 @@ def run(cfg: JobConfig) -> list[dict]:
             train_s = time.perf_counter() - t_train
 
             if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
-                trainer.save_checkpoint(step + 1, extra={"prompt_rng": prompt_rng.getstate()})
+                trainer.save_checkpoint(
+                    step + 1, extra={"prompt_rng": prompt_rng.getstate(), "task": task.state_dict()}
+                )
 
             # 7. log
             completion_tokens = sum(len(c) for c in rollouts.completion_ids)
@@ -180,6 +191,8 @@ def run(cfg: JobConfig) -> list[dict]:
                 mismatch=f"{record['mismatch_mean']:.1e}", tok_s=f"{record['gen_tokens_per_s']:.0f}",
             )
 
+        if evaluator and start < cfg.trainer.steps:
+            final_evaluation(cfg, evaluator, generator, trainer, logger)
         if cfg.job.export_dir is not None:  # every trainer rank: sharded tensors are gathered
             from torchtitan_rl.export import export_hf
 
@@ -191,8 +204,15 @@ def run(cfg: JobConfig) -> list[dict]:
             k = max(1, min(5, len(history) // 4))
             first = sum(r["reward_mean"] for r in history[:k]) / k
             last = sum(r["reward_mean"] for r in history[-k:]) / k
+            held_out = ""
+            if logger.eval_history:
+                a, b = logger.eval_history[0], logger.eval_history[-1]
+                held_out = (
+                    f"held-out accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> "
+                    f"{b['eval_accuracy']:.3f} (step {b['step']}); "
+                )
             print(
-                f"torchtitan_rl: mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
+                f"torchtitan_rl: {held_out}mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
                 f"steps {start}..{cfg.trainer.steps}; wall {time.perf_counter() - started:.1f} s; "
                 f"metrics {out / 'metrics.jsonl'}; plot {plot}"
             )
@@ -202,8 +222,24 @@ def run(cfg: JobConfig) -> list[dict]:
             generator.close()
 
 
+def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> None:
+    """Held-out accuracy of the trained weights (one more sync: no step generated with them)."""
+    version = cfg.trainer.steps
+    if cfg.weight_sync.enable:  # the negative control's generator keeps serving step-0 weights
+        generator.sync(trainer.sync_state(), version=version)
+    logger.log_eval(version, evaluator.run(generator, step=version))
+
+
+def run_task(cfg: JobConfig):
+    """grpo.task built with the task section and its tokenizer folder (task.tokenizer, else the checkpoint's)."""
+    from torchtitan_rl.grpo import build_task
+
+    return build_task(cfg.grpo.task, cfg.task, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint)
+
+
 def run_shape(cfg: JobConfig, task):
     """The run's model shape; the tiny flavor takes the task tokenizer's vocabulary."""
+    from torchtitan_rl.grpo.tasks import check_vocabulary
     from torchtitan_rl.models.families import FLAVORS, resolve_shape
 
     flavor = FLAVORS.get(cfg.model.flavor)
@@ -214,8 +250,9 @@ def run_shape(cfg: JobConfig, task):
         vocab_size=cfg.model.vocab_size or (task.vocab_size if takes_task_vocab else 0),
         max_seq_len=cfg.model.max_seq_len,
     )
-    if shape.vocab_size < task.vocab_size:
-        raise ValueError(f"model.vocab_size: {shape.vocab_size} < the task's {task.vocab_size}")
+    check_vocabulary(
+        task, spec=cfg.grpo.task, model_vocab_size=shape.vocab_size, hf_checkpoint=cfg.model.hf_checkpoint
+    )
     return shape
 
 

@@ -132,6 +132,18 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--generator.load_format", "auto"], 1, "generator.load_format: 'auto' needs"),
         (["--weight_sync.verify_samples", "0"], 1, "weight_sync.verify_samples: must be >= 1"),
         (["--weight_sync.bucket_mb", "0"], 1, "weight_sync.bucket_mb: must be >= 1"),
+        (["--grpo.task", "math"], 1, "task.tokenizer: grpo.task 'math' renders prompts with a chat template"),
+        (["--grpo.task", "dataset", "--task.tokenizer", "tok"], 1, "task.path: grpo.task 'dataset' needs"),
+        (
+            ["--grpo.task", "dataset", "--task.tokenizer", "tok", "--task.path", "missing.jsonl"], 1,
+            "task.path: file not found: missing.jsonl",
+        ),
+        (["--eval.every_n_steps", "5"], 1, "eval.every_n_steps: grpo.task 'digits' has no held-out set"),
+        (["--eval.num_prompts", "-1"], 1, "eval.num_prompts: must be >= 0"),
+        (["--eval.max_tokens", "64"], 1, "eval.max_tokens: 64 leaves no room for a prompt"),
+        (["--task.levels", "0", "6"], 1, "task.levels: each must be in 1..5, got [0, 6]"),
+        (["--task.heldout_fraction", "1"], 1, "task.heldout_fraction: must be in [0, 1)"),
+        (["--task.format_reward_weight", "-1"], 1, "task.format_reward_weight: must be >= 0"),
     ],
 )  # fmt: skip
 def test_impossible_combination_names_the_field(tmp_path, args, world_size, expected):

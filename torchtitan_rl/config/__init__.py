@@ -2,6 +2,7 @@
 
 from torchtitan_rl.config.job_config import (
     CheckpointConfig,
+    EvalConfig,
     GeneratorConfig,
     GRPOConfig,
     JobConfig,
@@ -12,6 +13,7 @@ from torchtitan_rl.config.job_config import (
     OptimizerConfig,
     ParallelismConfig,
     SamplingConfig,
+    TaskConfig,
     TrainerConfig,
     WeightSyncConfig,
 )
@@ -26,6 +28,7 @@ from torchtitan_rl.config.loader import (
 
 __all__ = [
     "CheckpointConfig",
+    "EvalConfig",
     "GeneratorConfig",
     "GRPOConfig",
     "JobConfig",
@@ -36,6 +39,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "SamplingConfig",
+    "TaskConfig",
     "TrainerConfig",
     "WeightSyncConfig",
     "from_dict",

@@ -158,7 +158,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class GRPOConfig:
     task: str = "digits"
-    """Task: a built-in name (digits) or 'package.module:factory' for a user task."""
+    """Task: digits[:mode] (own 16-token tokenizer), math, dataset, or 'package.module:factory' (README)."""
     prompts_per_step: int = 16
     """Distinct prompts per step (global)."""
     group_size: int = 8
@@ -171,6 +171,46 @@ class GRPOConfig:
     """Weight of the k3 KL penalty to a frozen reference model; 0 disables it."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """group_std: (r - mean) / std per group; none: r - mean only."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """Settings of the math and dataset tasks (grpo.task); a user factory may take them too."""
+
+    tokenizer: str | None = None
+    """Folder with tokenizer.json and a chat template; none takes model.hf_checkpoint."""
+    system_prompt: str = "You are a helpful assistant. Solve the problem step by step."
+    """System message of every prompt; empty leaves it to the chat template's default."""
+    instruction: str = "Put the final answer in \\boxed{}."
+    """Appended to every question on a new line: the answer format the reward reads best."""
+    format_reward_weight: float = 0.0
+    """Reward added for a \\boxed{...} answer, right or wrong; 0 scores correctness only."""
+    levels: tuple[int, ...] = (1, 2, 3, 4, 5)
+    """math: difficulty levels drawn uniformly (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
+    heldout_size: int = 500
+    """math: problems in the fixed held-out set (never drawn for training)."""
+    path: str | None = None
+    """dataset: JSONL or Parquet file of problems (one object / row each)."""
+    heldout_path: str | None = None
+    """dataset: a second file of held-out problems; none splits heldout_fraction off task.path."""
+    heldout_fraction: float = 0.1
+    """dataset: share of task.path held out (by a hash of the prompt) when task.heldout_path is unset."""
+    prompt_field: str = "question"
+    """dataset: field (JSON key or Parquet column) holding the question."""
+    answer_field: str = "answer"
+    """dataset: field holding the answer; GSM8K's '... #### 42' gives 42."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every_n_steps: int = 0
+    """Greedy pass@1 on the task's held-out set before the first step, every N steps and at the end; 0: never."""
+    num_prompts: int = 0
+    """Held-out problems per evaluation (the first N of the fixed set); 0 takes the whole set."""
+    max_tokens: int = 0
+    """Completion length limit during evaluation; 0 takes generator.sampling.max_tokens."""
+    mean_at_k: int = 0
+    """Also sample k completions per problem at the training temperature and report mean accuracy; 0: off."""
 
 
 @dataclass(kw_only=True)
@@ -201,6 +241,10 @@ class JobConfig:
     """The vLLM generator."""
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     """GRPO algorithm."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task's tokenizer, prompts, data and reward settings (math, dataset)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation on the generator that serves training."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Trainer -> generator weight sync."""
     batch_invariant_mode: bool = False

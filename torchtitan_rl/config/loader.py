@@ -223,6 +223,9 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.generator.load_format == "auto" and cfg.model.hf_checkpoint is None:
         raise ValueError("generator.load_format: 'auto' needs model.hf_checkpoint to be set")
 
+    _check_task(cfg)
+    _check_eval(cfg)
+
     if cfg.weight_sync.transport == "nccl":
         _check_own_rank_generator(cfg, world_size)
         world_size -= 1  # the last rank holds the generator; the trainer has the others
@@ -258,6 +261,41 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
                 "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
                 "bitwise equal to the trainer's unmerged forward)"
             )
+
+
+def _check_task(cfg: JobConfig) -> None:
+    """The task section against grpo.task (the files are read when the task is built)."""
+    task, name = cfg.task, cfg.grpo.task.partition(":")[0]
+    _at_least(cfg, 0, "task.format_reward_weight")
+    _positive(cfg, "task.heldout_size")
+    _in_range(cfg, "task.heldout_fraction", 0, 1, "[0, 1)")
+    bad = [level for level in task.levels if not 1 <= level <= 5]
+    if bad or not task.levels:
+        raise ValueError(f"task.levels: each must be in 1..5, got {list(task.levels)}")
+    if name in ("math", "dataset") and task.tokenizer is None and cfg.model.hf_checkpoint is None:
+        raise ValueError(
+            f"task.tokenizer: grpo.task '{name}' renders prompts with a chat template; set task.tokenizer "
+            "or model.hf_checkpoint to a folder with tokenizer.json"
+        )
+    if name == "dataset":
+        if task.path is None:
+            raise ValueError("task.path: grpo.task 'dataset' needs a JSONL or Parquet file")
+        for field in ("path", "heldout_path"):
+            path = getattr(task, field)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"task.{field}: file not found: {path}")
+
+
+def _check_eval(cfg: JobConfig) -> None:
+    _at_least(cfg, 0, "eval.every_n_steps", "eval.num_prompts", "eval.max_tokens", "eval.mean_at_k")
+    if cfg.eval.max_tokens >= cfg.generator.max_model_len:
+        raise ValueError(
+            f"eval.max_tokens: {cfg.eval.max_tokens} leaves no room for a prompt in "
+            f"generator.max_model_len {cfg.generator.max_model_len}"
+        )
+    if cfg.eval.every_n_steps and cfg.grpo.task.partition(":")[0] == "digits":
+        # Every digit string can be drawn for training: nothing is held out.
+        raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
 
 
 def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:

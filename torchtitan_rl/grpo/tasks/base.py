@@ -2,15 +2,15 @@
 
 A task is the one plug-in point for a user's RL problem. The trainer and the
 generator only ever see token ids; the task owns the tokenizer that makes
-them, samples prompts, and turns a completion into a scalar reward.
+them, samples prompts, and turns a completion into a scalar reward. A task
+may also hold out a fixed set of prompts for evaluation, and may keep state
+of its own (a dataset's place in its epoch) that checkpoints save.
 """
 
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
-
-from tokenizers import Tokenizer
 
 
 @dataclass
@@ -29,12 +29,12 @@ class Task(ABC):
     """A prompt source plus a verifiable reward.
 
     Subclasses set ``tokenizer``, ``eos_id`` and ``pad_id`` in ``__init__``.
-    ``vocab_size`` defaults to the tokenizer's; override it when the model's
-    embedding table must be larger than the tokenizer (e.g. padded vocabs).
+    ``vocab_size`` defaults to the tokenizer's largest id + 1.
     """
 
-    tokenizer: Tokenizer
-    """Tokenizer for prompts and completions (also sizes the tiny model's vocab)."""
+    tokenizer: Any
+    """A ``tokenizers.Tokenizer`` or a transformers tokenizer: makes prompts, reads completions,
+    sizes the tiny model's vocab."""
     eos_id: int
     """Token that ends a completion; generation stops on it."""
     pad_id: int
@@ -42,8 +42,8 @@ class Task(ABC):
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids the model must cover."""
-        return self.tokenizer.get_vocab_size()
+        """Number of token ids the model must cover (both tokenizer kinds have get_vocab)."""
+        return max(self.tokenizer.get_vocab().values()) + 1
 
     @abstractmethod
     def sample_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
@@ -51,8 +51,26 @@ class Task(ABC):
 
     @abstractmethod
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
-        """Score one completion in [0, 1]; ``completion_ids`` may end with ``eos_id``."""
+        """Score one completion, higher is better (the built-in tasks: [0, 1], plus an optional
+        format bonus); ``completion_ids`` may end with ``eos_id``."""
 
     @abstractmethod
     def describe(self, prompt: Prompt, completion_ids: list[int]) -> str:
         """One human-readable line (prompt, completion, target, reward) for logs."""
+
+    def correct(self, prompt: Prompt, completion_ids: list[int]) -> bool:
+        """Whether the completion solves the prompt: held-out accuracy counts these."""
+        return self.reward(prompt, completion_ids) >= 1.0
+
+    def heldout_prompts(self) -> list[Prompt]:
+        """A fixed set of prompts never drawn by ``sample_prompts``; empty: nothing held out."""
+        return []
+
+    def state_dict(self) -> dict:
+        """State ``sample_prompts`` keeps besides its ``generator`` (saved in checkpoints)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned, so a resumed run draws the same prompts."""
+        if state:
+            raise ValueError(f"grpo.task: the checkpoint holds another task's prompt state ({sorted(state)})")

@@ -1,0 +1,59 @@
+"""Held-out evaluation: greedy pass@1 (optionally mean@k) on the generator that serves training.
+
+It asks the generator through the loop's own interface (``rollouts``), so
+it runs in both layouts, with its own sampling settings and seeds. It never
+changes a training sample: every request carries its own seed, and the
+loop evaluates right after a step's rollouts are drawn (its KV blocks in
+vLLM's prefix cache are dropped by the next sync).
+"""
+
+import dataclasses
+import time
+
+from torchtitan_rl.config import EvalConfig, SamplingConfig
+from torchtitan_rl.grpo.tasks.base import Task
+
+SEED_OFFSET = 1 << 20
+"""Evaluation seeds stay clear of the training rollouts' (job.seed * 1_000_003 + step) and, after
+Generator.generate's per-sample mixing (x 1_000_003 x 1009), inside int64."""
+
+
+class Evaluator:
+    def __init__(self, config: EvalConfig, *, task: Task, spec: str, sampling: SamplingConfig, seed: int) -> None:
+        prompts = task.heldout_prompts()
+        if not prompts:
+            raise ValueError(f"eval.every_n_steps: grpo.task {spec!r} has no held-out set")
+        self.config = config
+        self.task = task
+        self.prompts = prompts[: config.num_prompts] if config.num_prompts else prompts
+        self.seed = seed
+        max_tokens = config.max_tokens or sampling.max_tokens
+        # Greedy: temperature 0 is vLLM's argmax; top-p/top-k off so nothing else changes the choice.
+        self.greedy = SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
+        self.sampled = dataclasses.replace(sampling, max_tokens=max_tokens)
+
+    def due(self, step: int, *, first: int) -> bool:
+        """Before this process's first step and every eval.every_n_steps steps."""
+        return step == first or step % self.config.every_n_steps == 0
+
+    def run(self, generator, *, step: int) -> dict[str, float]:
+        """Evaluate the weights the generator serves now; every trainer rank calls it (rollouts is collective)."""
+        started = time.perf_counter()
+        ids = [p.token_ids for p in self.prompts]
+        seed = SEED_OFFSET + self.seed * 1_000_003 + step
+        stop = [self.task.eos_id]
+        greedy = generator.rollouts(ids, n=1, stop_token_ids=stop, seed=seed, sampling=self.greedy)
+        hits = [self.task.correct(p, c) for p, c in zip(self.prompts, greedy.completion_ids)]
+        metrics = {
+            "eval_accuracy": sum(hits) / len(hits),
+            "eval_prompts": len(hits),
+            "eval_completion_tokens": sum(map(len, greedy.completion_ids)) / len(hits),
+            "eval_weight_version": greedy.weight_version,
+        }
+        k = self.config.mean_at_k
+        if k:
+            sampled = generator.rollouts(ids, n=k, stop_token_ids=stop, seed=seed, sampling=self.sampled)
+            hits = [self.task.correct(self.prompts[i // k], c) for i, c in enumerate(sampled.completion_ids)]
+            metrics[f"eval_mean_at_{k}"] = sum(hits) / len(hits)
+        metrics["eval_s"] = time.perf_counter() - started
+        return metrics

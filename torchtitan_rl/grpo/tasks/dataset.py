@@ -1,0 +1,161 @@
+"""grpo.task = "dataset": questions and answers from a local JSONL or Parquet file.
+
+Each record (a JSON object per line, or a Parquet row) gives a question in
+``task.prompt_field`` and an answer in ``task.answer_field``; GSM8K's
+convention (worked solution, then ``#### 42``) is read as the part after the
+last ``####``, thousands separators dropped. Held out: a second file
+(``task.heldout_path``) or a fixed share of the first, picked by a hash of
+the question (so it does not depend on the file's order) and removed from
+training by question text.
+
+Training order: the training records are shuffled once per epoch, with a seed
+drawn from the run's prompt RNG when the epoch starts. The task's state is
+(epoch, that seed, position in the epoch); checkpoints save it next to the
+prompt RNG, so a resumed run draws exactly the prompts an uninterrupted one
+would.
+"""
+
+import hashlib
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+from torchtitan_rl.config import TaskConfig
+from torchtitan_rl.grpo.tasks.base import Prompt
+from torchtitan_rl.grpo.tasks.chat import ChatTask
+
+_THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
+
+
+def answer_text(raw) -> str:
+    """The reference answer in a field: after GSM8K's last '####', '1,234' read as '1234'."""
+    text = str(raw)
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    text = text.strip()
+    return text.replace(",", "") if _THOUSANDS.match(text) else text
+
+
+def read_records(path: str, *, field: str, prompt_field: str, answer_field: str) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a .jsonl/.json or .parquet file; ValueError naming file, line and field."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{field}: file not found: {path}")
+    if file.suffix == ".parquet":
+        rows = _parquet_rows(file, field=field, columns=(prompt_field, answer_field))
+    elif file.suffix in (".jsonl", ".json"):
+        rows = _jsonl_rows(file, field=field)
+    else:
+        raise ValueError(f"{field}: {path}: expected a .jsonl or .parquet file")
+    records = []
+    for where, row in rows:
+        for key, name in ((prompt_field, "task.prompt_field"), (answer_field, "task.answer_field")):
+            if row.get(key) is None:
+                raise ValueError(f"{name}: {where} has no field {key!r} (fields: {', '.join(sorted(row))})")
+        answer = answer_text(row[answer_field])
+        if not answer:
+            raise ValueError(f"task.answer_field: {where}: empty answer in {answer_field!r}")
+        records.append((str(row[prompt_field]), answer))
+    if not records:
+        raise ValueError(f"{field}: {path} holds no records")
+    return records
+
+
+def _jsonl_rows(file: Path, *, field: str):
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{field}: {file}:{number}: invalid JSON: {e.msg}") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{field}: {file}:{number}: expected a JSON object, got {type(row).__name__}")
+            yield f"{file}:{number}", row
+
+
+def _parquet_rows(file: Path, *, field: str, columns: tuple[str, ...]):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{field}: reading {file} needs pyarrow (pip install pyarrow)") from None
+    try:
+        table = pq.read_table(file)
+    except Exception as e:  # pyarrow raises its own error types for a damaged file
+        raise ValueError(f"{field}: {file}: not a readable Parquet file: {e}") from None
+    for name, key in zip(("task.prompt_field", "task.answer_field"), columns):
+        if key not in table.column_names:
+            raise ValueError(f"{name}: {file} has no column {key!r} (columns: {', '.join(table.column_names)})")
+    for number, row in enumerate(table.select(list(columns)).to_pylist(), 1):
+        yield f"{file} row {number}", row
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def split_heldout(records: list[tuple[str, str]], fraction: float) -> tuple[list, list]:
+    """(train, held-out): the ceil(fraction * n) records of smallest question hash, held out."""
+    if fraction == 0:
+        return records, []
+    ranked = sorted(range(len(records)), key=lambda i: (_hash(records[i][0]), i))
+    held = set(ranked[: math.ceil(fraction * len(records))])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+class DatasetTask(ChatTask):
+    """A file of (question, answer) records in the model's chat template, reshuffled every epoch."""
+
+    def __init__(self, config: TaskConfig, *, tokenizer_dir: str, field: str = "task.tokenizer", **kwargs) -> None:
+        super().__init__(config, tokenizer_dir=tokenizer_dir, field=field, **kwargs)
+        read = dict(prompt_field=config.prompt_field, answer_field=config.answer_field)
+        records = read_records(config.path, field="task.path", **read)
+        if config.heldout_path is not None:
+            heldout = read_records(config.heldout_path, field="task.heldout_path", **read)
+        else:
+            records, heldout = split_heldout(records, config.heldout_fraction)
+        heldout_questions = {q for q, _ in heldout}
+        train = [r for r in records if r[0] not in heldout_questions]  # duplicates of held-out questions too
+        if not train:
+            raise ValueError(f"task.path: no training records left in {config.path} after holding out")
+        self.path = config.path
+        self._train = [self.make_prompt(q, a) for q, a in train]
+        self._heldout = [self.make_prompt(q, a) for q, a in heldout]
+        self._epoch, self._epoch_seed, self._position = 0, None, 0
+        self._order: list[int] = []
+
+    def sample_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            if self._position == len(self._order):  # also at the very start: no epoch yet
+                self._start_epoch(self._epoch + 1, generator.getrandbits(64))
+            out.append(self._train[self._order[self._position]])
+            self._position += 1
+        return out
+
+    def _start_epoch(self, epoch: int, seed: int) -> None:
+        self._epoch, self._epoch_seed, self._position = epoch, seed, 0
+        self._order = list(range(len(self._train)))
+        random.Random(seed).shuffle(self._order)
+
+    def heldout_prompts(self) -> list[Prompt]:
+        return list(self._heldout)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "epoch_seed": self._epoch_seed, "position": self._position,
+                "num_train": len(self._train)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:  # a checkpoint from before any prompt was drawn
+            return
+        if state.get("num_train") != len(self._train):
+            raise ValueError(
+                f"task.path: {self.path} now gives {len(self._train)} training records, the checkpoint's "
+                f"run had {state.get('num_train')}; resuming would not continue its order"
+            )
+        if state["epoch_seed"] is not None:
+            self._start_epoch(state["epoch"], state["epoch_seed"])
+            self._position = state["position"]
