@@ -146,3 +146,28 @@ def test_run_with_export_dir_writes_a_folder_transformers_loads(tmp_path):
     proc = run_cli(*args, "--job.export_dir", str(out))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"torchtitan_rl: error: export: {out} exists and is not empty"]
+
+
+def test_export_carries_the_checkpoint_tokenizer_and_chat_template(tiny_hf_checkpoint, smollm2_dir, tmp_path):
+    """A checkpoint's tokenizer, chat template and generation config travel into the export."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from torchtitan_rl.export import TOKENIZER_FILES
+    from torchtitan_rl.models.shape import build_titan_model
+
+    folder = tmp_path / "ckpt"  # the tiny Llama's weights with SmolLM2's tokenizer files
+    shutil.copytree(tiny_hf_checkpoint("llama"), folder)
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, folder)
+    shape = shape_of(folder)
+    model = build_titan_model(shape, seed=0)
+    out = export_hf(dict(model.named_parameters()), shape=shape, out_dir=tmp_path / "export", tokenizer_dir=folder)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    got = AutoTokenizer.from_pretrained(out).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert got == want and "<|im_start|>assistant" in got
+    assert (out / "generation_config.json").read_text() == (smollm2_dir / "generation_config.json").read_text()
