@@ -53,13 +53,15 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
     unsupported += [f"{key} true" for key in ("attention_bias", "mlp_bias", "use_sliding_window") if hf.get(key)]
     if unsupported:
         raise ValueError(f"{where}: not supported by this decoder: {', '.join(unsupported)}")
-    names = {f.name for f in dataclasses.fields(ModelShape)} - {"family", "head_dim", "rope_theta", "rms_norm_eps"}
+    optional = {"family", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings"}
+    names = {f.name for f in dataclasses.fields(ModelShape)} - optional
     missing = sorted(n for n in names if hf.get(n) is None)
     if missing:
         raise ValueError(f"{where}: missing {missing}")
     return ModelShape(
         family=family,
         **{n: hf[n] for n in names},
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for both families
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or family.rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps") or family.rms_norm_eps),
