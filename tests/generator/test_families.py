@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import PROMPTS
+from tests.models.test_families import LLAMA3_ROPE, _with_config
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, WeightSyncConfig
 from torchtitan_rl.generator.generator import Generator
 from torchtitan_rl.models.families import resolve_shape
@@ -61,9 +62,12 @@ def generator(folder, shape, tmp_path, **config):
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "llama3-rope"])
 def test_dummy_start_and_sync_then_auto_load_serve_the_trainer_model(family, tiny_hf_checkpoint, tmp_path):
-    folder = tiny_hf_checkpoint(family)
+    if family == "llama3-rope":  # Llama 3.1's RoPE scaling: vLLM must build the same scaled cache
+        folder = _with_config(tiny_hf_checkpoint, tmp_path, rope_parameters=LLAMA3_ROPE)
+    else:
+        folder = tiny_hf_checkpoint(family)
     shape, model = trainer_side(folder)
 
     gen = generator(folder, shape, tmp_path / "dummy")
