@@ -130,8 +130,8 @@ def test_other_rope_scaling_is_refused_not_ignored(tiny_hf_checkpoint, tmp_path)
         shape_of(folder)
 
 
-def test_llama_flavor_trains_under_fsdp_on_two_ranks(tmp_path):
-    """parallelize_qwen3 (FSDP2 over 2 gloo ranks) on a Llama shape: one CLI step, both ranks."""
+def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
+    """parallelize_qwen3 (FSDP2 over 2 gloo ranks) on a Llama shape: two CLI steps, then the sharded export."""
     import os
     import subprocess
     import sys
@@ -140,9 +140,12 @@ def test_llama_flavor_trains_under_fsdp_on_two_ranks(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml", "--model.flavor", "tiny-llama",
-           "--trainer.steps", "2", "--job.output_dir", str(tmp_path / "out")]
+           "--trainer.steps", "2", "--job.output_dir", str(tmp_path / "out"), "--job.export_dir", str(tmp_path / "hf")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["mismatch_max"] < LOGPROB_ATOL for r in records), records
+    from transformers import AutoModelForCausalLM  # every rank joined the gathers, rank 0 wrote
+
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")).__name__ == "LlamaForCausalLM"
