@@ -40,9 +40,9 @@ def tiny_hf_checkpoint(tmp_path_factory):
             from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
             config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
-            config = config_cls(
+            config = config_cls(  # head_dim 32: the smallest vLLM's CPU attention supports
                 vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=64, **TINY_HF[family],
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=64, **TINY_HF[family],
             )
             torch.manual_seed(0)
             model = model_cls(config)

@@ -60,8 +60,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_shape() -> ModelShape:
-    return resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
+def tiny_shape(flavor: str = "tiny") -> ModelShape:
+    """The tiny Qwen3, or with flavor="tiny-llama" the same size as a Llama."""
+    return resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16, max_seq_len=64)
 
 
 def native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -74,12 +75,12 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**model.state_dict(), **dict(model.named_buffers())}
 
 
-def make_generator(workdir: Path, **overrides):
+def make_generator(workdir: Path, *, flavor: str = "tiny", **overrides):
     from torchtitan_rl.generator.generator import Generator
 
     config = GeneratorConfig(**overrides)
     return Generator(
-        config, model_config=ModelConfig(), shape=tiny_shape(), seed=0, device="cpu", workdir=workdir
+        config, model_config=ModelConfig(), shape=tiny_shape(flavor), seed=0, device="cpu", workdir=workdir
     )
 
 

@@ -85,6 +85,7 @@ def test_both_families_pass_the_coverage_proof(family, lora, tiny_hf_checkpoint)
 
 
 def _with_config(tiny_hf_checkpoint, tmp_path, **changes):
+    """A copy of the tiny Llama checkpoint under tmp_path/ckpt with config.json fields changed."""
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny_hf_checkpoint("llama"), folder)
     config = json.loads((folder / "config.json").read_text())
@@ -106,16 +107,31 @@ def test_unsupported_architecture_is_one_clear_error(tiny_hf_checkpoint, tmp_pat
     assert lines == [f"torchtitan_rl: error: {message}"], proc.stderr
 
 
-def test_rope_scaling_is_refused_not_ignored(tiny_hf_checkpoint, tmp_path):
-    scaled = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    folder = _with_config(tiny_hf_checkpoint, tmp_path, rope_parameters=scaled)
-    with pytest.raises(ValueError, match=r"config.json: not supported by this decoder: rope_parameters.rope_type 'llama3'"):
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+"""Llama 3.1's RoPE scaling, its original context shrunk to 16 so that positions < 64 see every band."""
+
+
+def test_llama3_rope_scaling_computes_as_transformers(tiny_hf_checkpoint, tmp_path):
+    folder = _with_config(tiny_hf_checkpoint, tmp_path, rope_parameters=LLAMA3_ROPE)
+    assert shape_of(folder).rope_scaling["factor"] == 8.0
+    trainer = make_trainer(folder, tmp_path)
+    got = trainer.token_logprobs(TOKENS_BL, temperature=1.0)
+    torch.testing.assert_close(got, hf_logprobs(folder, TOKENS_BL), atol=FP32_ATOL, rtol=0)
+    # The scaling matters at these positions: the unscaled model is far off.
+    plain = _with_config(tiny_hf_checkpoint, tmp_path / "plain", rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert (got - hf_logprobs(plain, TOKENS_BL)).abs().max() > 1e-2
+
+
+def test_other_rope_scaling_is_refused_not_ignored(tiny_hf_checkpoint, tmp_path):
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32}
+    folder = _with_config(tiny_hf_checkpoint, tmp_path, rope_parameters=yarn)
+    with pytest.raises(ValueError, match=r"config.json: not supported by this decoder: RoPE scaling 'yarn'"):
         shape_of(folder)
 
 
-def test_llama_flavor_trains_under_fsdp_on_two_ranks(tmp_path):
-    """parallelize_qwen3 (FSDP2 over 2 gloo ranks) on a Llama shape: one CLI step, both ranks."""
+def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
+    """parallelize_qwen3 (FSDP2 over 2 gloo ranks) on a Llama shape: two CLI steps, then the sharded export."""
     import os
     import subprocess
     import sys
@@ -124,9 +140,12 @@ def test_llama_flavor_trains_under_fsdp_on_two_ranks(tmp_path):
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml", "--model.flavor", "tiny-llama",
-           "--trainer.steps", "2", "--job.output_dir", str(tmp_path / "out")]
+           "--trainer.steps", "2", "--job.output_dir", str(tmp_path / "out"), "--job.export_dir", str(tmp_path / "hf")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["mismatch_max"] < LOGPROB_ATOL for r in records), records
+    from transformers import AutoModelForCausalLM  # every rank joined the gathers, rank 0 wrote
+
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")).__name__ == "LlamaForCausalLM"

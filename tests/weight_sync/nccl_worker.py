@@ -1,6 +1,6 @@
 """Run by test_nccl_transport under torchrun: 3 processes, gloo, CPU.
 
-argv: out_dir. Ranks 0 and 1 are an FSDP trainer (their default process group
+argv: out_dir [flavor: tiny (Qwen3, default) or tiny-llama]. Ranks 0 and 1 are an FSDP trainer (their default process group
 has 2 ranks), rank 2 is the generator (vLLM in process). Rank 0 writes
 out_dir/result.json, rank 2 out_dir/generator.json.
 
@@ -48,8 +48,8 @@ def get(world, key: str):
     return json.loads(world.store.get(f"test/{key}"))
 
 
-def generator_main(world, out_dir: Path) -> None:
-    gen = make_generator(out_dir / "generator", wait_for_weights_s=60.0)
+def generator_main(world, out_dir: Path, flavor: str) -> None:
+    gen = make_generator(out_dir / "generator", flavor=flavor, wait_for_weights_s=60.0)
     receiver = NcclReceiver(generator=gen, world=world)
     record = {"plan_entries": len(receiver.plan.entries), "constants": len(receiver.plan.constants),
               "default_world": dist.get_world_size()}
@@ -97,9 +97,9 @@ def score(trainer, rollouts: Rollouts) -> float:
     return (trainer_BL - gen_BL).abs()[mask_BL.bool()].mean().item()
 
 
-def trainer_main(world, out_dir: Path) -> None:
+def trainer_main(world, out_dir: Path, flavor: str) -> None:
     trainer = Trainer(
-        TrainerConfig(), model_config=ModelConfig(), shape=tiny_shape(),
+        TrainerConfig(), model_config=ModelConfig(), shape=tiny_shape(flavor),
         seed=0, device=torch.device("cpu"), output_dir=out_dir,
     )
     rank = dist.get_rank()
@@ -162,11 +162,12 @@ def trainer_main(world, out_dir: Path) -> None:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
+    flavor = sys.argv[2] if len(sys.argv) > 2 else "tiny"
     world = init_world("cpu")
     if world.role == "generator":
-        generator_main(world, out_dir)
+        generator_main(world, out_dir, flavor)
     else:
-        trainer_main(world, out_dir)
+        trainer_main(world, out_dir, flavor)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # torchrun worlds of 2-3 processes, each with its own engine
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[dict, dict]:
-    """What nccl_worker.py saw: (trainer rank 0's record, the generator's record)."""
+@pytest.fixture(scope="module", params=["tiny", "tiny-llama"])
+def run(request, tmp_path_factory) -> tuple[dict, dict]:
+    """What nccl_worker.py saw: (trainer rank 0's record, the generator's record), for a Qwen3 and a Llama."""
     folder = tmp_path_factory.mktemp("nccl")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-        "--master-port", str(free_port()), str(Path(__file__).with_name("nccl_worker.py")), str(folder),
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+        str(Path(__file__).with_name("nccl_worker.py")), str(folder), request.param,
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

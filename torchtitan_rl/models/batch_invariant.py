@@ -105,7 +105,7 @@ def bi_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def bi_linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    assert module.bias is None, "Qwen3 linears have no bias"
+    assert module.bias is None, "our decoder's linears have no bias"
     return _BILinear.apply(x, module.weight)
 
 
@@ -129,7 +129,7 @@ class _BIRMSNorm(torch.autograd.Function):
 
 
 def bi_rms_norm_forward(module: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    assert module.weight is not None, "Qwen3 norms have weights"
+    assert module.weight is not None, "our decoder's norms have weights"
     eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
     return _BIRMSNorm.apply(x, module.weight, eps)
 
@@ -256,7 +256,7 @@ class BatchInvariantAttention(nn.Module):
 
 
 def make_batch_invariant(model: nn.Module, *, replace_attention: bool, device: torch.device) -> None:
-    """Switch a torchtitan Qwen3 to the batch-invariant kernels of ``device`` in place."""
+    """Switch a torchtitan decoder (either family) to the batch-invariant kernels of ``device`` in place."""
     if device.type == "cpu":
         compat.set_num_threads(1)
     else:

@@ -20,6 +20,10 @@ FLAVORS: dict[str, ModelShape] = {**qwen3.FLAVORS, **llama.FLAVORS}
 """Named shapes for seeded random weights; a vocab_size of 0 takes the run's (the task tokenizer's)."""
 
 
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+"""The fields of HF's rope_type "llama3" (ModelShape.rope_scaling)."""
+
+
 def family_by_model_type(model_type: str) -> Family:
     """The family of a config whose ``architectures`` is not a checkpoint's own (the generator's)."""
     found = [f for f in FAMILIES if f.model_type == model_type]
@@ -31,9 +35,9 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
     """A config.json's shape. The family comes from ``architectures`` unless given.
 
     ``where`` names the config in errors, e.g. "model.hf_checkpoint: ckpt/config.json".
-    Anything this decoder does not compute (RoPE scaling, biases, sliding
-    windows, another activation) is a ValueError rather than a silently
-    different model.
+    Anything this decoder does not compute (RoPE scaling other than Llama
+    3.1's, biases, sliding windows, another activation) is a ValueError
+    rather than a silently different model.
     """
     if family is None:
         archs = hf.get("architectures") or []
@@ -43,26 +47,29 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
             raise ValueError(f"{where}: architecture {archs} is not supported (supported: {supported})")
         family = found[0]
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    # transformers 4.x: rope_scaling (None: plain); 5.x: rope_parameters with rope_type "default" or another.
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     unsupported = []
-    if hf.get("rope_scaling") is not None:
-        unsupported.append(f"rope_scaling {hf['rope_scaling']}")
-    if rope.get("rope_type", "default") != "default":
-        unsupported.append(f"rope_parameters.rope_type {rope['rope_type']!r}")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        unsupported.append(f"RoPE scaling {scaling.get('rope_type', scaling.get('type'))!r} (only 'llama3' is)")
     if hf.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act {hf['hidden_act']!r}")
     unsupported += [f"{key} true" for key in ("attention_bias", "mlp_bias", "use_sliding_window") if hf.get(key)]
     if unsupported:
         raise ValueError(f"{where}: not supported by this decoder: {', '.join(unsupported)}")
-    names = {f.name for f in dataclasses.fields(ModelShape)} - {"family", "head_dim", "rope_theta", "rms_norm_eps"}
+    optional = {"family", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "rope_scaling"}
+    names = {f.name for f in dataclasses.fields(ModelShape)} - optional
     missing = sorted(n for n in names if hf.get(n) is None)
     if missing:
         raise ValueError(f"{where}: missing {missing}")
     return ModelShape(
         family=family,
         **{n: hf[n] for n in names},
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for both families
         head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or family.rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps") or family.rms_norm_eps),
+        rope_scaling=None if scaling is None else {k: scaling[k] for k in LLAMA3_SCALING},
     )
 
 

@@ -1,4 +1,4 @@
-"""The Llama family: LlamaForCausalLM checkpoints (SmolLM2, Llama 2/3 without RoPE scaling).
+"""The Llama family: LlamaForCausalLM checkpoints (SmolLM2; Llama 2, 3, and 3.1/3.2 with their RoPE scaling).
 
 The same decoder as Qwen3 without QK-norm. torchtitan's Qwen3 blocks use
 cos/sin RoPE in HF's rotate-half convention, which is Llama's too, so HF's

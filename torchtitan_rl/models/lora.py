@@ -1,4 +1,4 @@
-"""LoRA on torchtitan's Qwen3, the same on the trainer and in the generator.
+"""LoRA on torchtitan's decoder (both families), the same on the trainer and in the generator.
 
 An adapted linear keeps its base parameter under its own name (``wo.weight``)
 and gains ``wo.lora_a`` [r, in] and ``wo.lora_b`` [out, r]; its output is

@@ -10,6 +10,7 @@ models/llama.py; docs/design.md says why one decoder serves both).
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,9 @@ class ModelShape:
     tie_word_embeddings: bool
     rope_theta: float
     rms_norm_eps: float
+    rope_scaling: dict | None = None
+    """Llama 3.1's RoPE frequency scaling: factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings (HF's rope_type "llama3"); None: plain RoPE."""
 
     @property
     def qk_norm(self) -> bool:
@@ -73,6 +77,10 @@ class ModelShape:
     def to_hf_config(self, *, dtype: str = "bfloat16") -> dict:
         """config.json of this shape, under the family's real HF architecture."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "family"}
+        if self.rope_scaling is None:
+            del fields["rope_scaling"]
+        else:  # HF's legacy spelling: transformers 5 turns it into rope_parameters, 4.x reads it as is
+            fields["rope_scaling"] = {"rope_type": "llama3", **self.rope_scaling}
         return {
             "architectures": [self.family.hf_architecture],
             "model_type": self.family.model_type,
@@ -100,7 +108,11 @@ def titan_config(shape: ModelShape, *, inner_attention=None) -> Qwen3Model.Confi
     def norm(dim: int) -> RMSNorm.Config:
         return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=_NORM_INIT)
 
-    rope = CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=shape.max_position_embeddings, theta=shape.rope_theta)
+    rope_cls = CosSinRoPE if shape.rope_scaling is None else ScaledCosSinRoPE
+    rope = rope_cls.Config(
+        dim=shape.head_dim, max_seq_len=shape.max_position_embeddings, theta=shape.rope_theta,
+        **_llama_scaling(shape.rope_scaling),
+    )
     layers = [
         Qwen3TransformerBlock.Config(
             attention_norm=norm(shape.hidden_size),
@@ -140,6 +152,48 @@ def titan_config(shape: ModelShape, *, inner_attention=None) -> Qwen3Model.Confi
         lm_head=Linear.Config(in_features=shape.hidden_size, out_features=shape.vocab_size, param_init=_LINEAR_INIT),
         layers=layers,
     )
+
+
+class ScaledCosSinRoPE(CosSinRoPE):
+    """torchtitan's cos/sin RoPE (HF's rotate-half convention) plus Llama 3.1's frequency scaling.
+
+    torchtitan 0.3.0 implements "llama" scaling for its complex RoPE only;
+    the frequencies here are HF's (``_compute_llama3_parameters``), so a
+    Llama 3.1/3.2 checkpoint computes as in transformers.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CosSinRoPE.Config):
+        pass
+
+    def _precompute_cache(self) -> torch.Tensor:
+        cfg = self.config
+        assert cfg.scaling == "llama", cfg.scaling
+        inv_freq = 1.0 / (cfg.theta ** (torch.arange(0, cfg.dim, 2)[: cfg.dim // 2].float() / cfg.dim))
+        wavelen = 2 * math.pi / inv_freq
+        old_len = cfg.original_max_position_embeddings
+        # Long wavelengths are slowed by the factor, short ones kept, the band between interpolated.
+        scaled = torch.where(wavelen > old_len / cfg.low_freq_factor, inv_freq / cfg.scaling_factor, inv_freq)
+        smooth = (old_len / wavelen - cfg.low_freq_factor) / (cfg.high_freq_factor - cfg.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / cfg.scaling_factor + smooth * scaled
+        medium = (wavelen >= old_len / cfg.high_freq_factor) & (wavelen <= old_len / cfg.low_freq_factor)
+        inv_freq = torch.where(medium, smoothed, scaled)
+        freqs = torch.outer(torch.arange(cfg.max_seq_len, dtype=inv_freq.dtype), inv_freq).float()
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _llama_scaling(rope_scaling: dict | None) -> dict:
+    """RoPE.Config fields for a shape's rope_scaling."""
+    if rope_scaling is None:
+        return {}
+    return {
+        "scaling": "llama",
+        "scaling_factor": rope_scaling["factor"],
+        "low_freq_factor": rope_scaling["low_freq_factor"],
+        "high_freq_factor": rope_scaling["high_freq_factor"],
+        "original_max_position_embeddings": rope_scaling["original_max_position_embeddings"],
+    }
 
 
 def build_titan_model(

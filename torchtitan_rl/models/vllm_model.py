@@ -2,8 +2,8 @@
 
 The generator runs the trainer's own model definition: same modules, same
 parameter names, same op sequence. One vLLM architecture serves every
-family; the family is read from the config's ``model_type``. Only the inner attention is swapped for
-vLLM's paged attention (vLLM owns the KV cache). Because the linear layers
+family; the family is read from the config's ``model_type``. Only the inner
+attention is swapped for vLLM's paged attention (vLLM owns the KV cache). Because the linear layers
 are torchtitan's plain ``nn.Linear``, vLLM's CPU backend does not repack them,
 so writing a parameter in place changes what the generator computes.
 """

@@ -1,4 +1,4 @@
-"""The trainer: torchtitan's Qwen3 under FSDP2, fp32 master weights, bf16 compute.
+"""The trainer: torchtitan's decoder (Qwen3 or Llama, models/families.py) under FSDP2, fp32 master weights, bf16 compute.
 
 Built once per run from TrainerConfig. Every method is collective: all ranks
 call it in the same order, each with its own shard of the data.

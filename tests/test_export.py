@@ -1,0 +1,173 @@
+"""export.py: the policy as an HF folder that transformers and vLLM's own model classes load unmodified."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import run_cli, run_module
+from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_trainer, shape_of
+from tests.trainer.helpers import make_batch
+from torchtitan_rl import compat
+from torchtitan_rl.config import GRPOConfig, JobConfig, LoRAConfig, write_toml
+from torchtitan_rl.export import export_hf
+
+FAMILIES = ["qwen3", "llama"]
+
+
+def trained(folder, tmp_path, **model_fields):
+    """A trainer on the folder's weights (fp32) after one optimizer step: weights unlike the folder's."""
+    trainer = make_trainer(folder, tmp_path, **model_fields)
+    trainer.train_step(make_batch(seed=0), temperature=1.0, grpo=GRPOConfig())
+    return trainer
+
+
+def vllm_native_prompt_logprobs(folder, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """vLLM's own model class for the folder's architecture (load_format=auto, fp32, CPU): prompt logprobs."""
+    from vllm import SamplingParams
+
+    engine = compat.build_llm_engine(
+        model=str(folder), load_format="auto", dtype="float32", max_model_len=64, max_num_seqs=8,
+        enforce_eager=True, tensor_parallel_size=1, seed=0, device="cpu", gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=64 << 20, batch_invariant=False,
+    )
+    try:
+        model_cls = type(compat.vllm_model(engine))
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        for i, row in enumerate(tokens_BL.tolist()):
+            engine.add_request(f"p{i}", {"prompt_token_ids": row}, params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+    finally:
+        engine.engine_core.shutdown()
+    rows = []
+    for i, row in enumerate(tokens_BL.tolist()):
+        lps = outputs[f"p{i}"].prompt_logprobs  # None at position 0, then {token: Logprob}
+        rows.append([0.0] + [lps[t][row[t]].logprob for t in range(1, len(row))])
+    return torch.tensor(rows), f"{model_cls.__module__}.{model_cls.__name__}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_reloads_with_the_trainer_logprobs(family, tiny_hf_checkpoint, tmp_path):
+    folder = tiny_hf_checkpoint(family)
+    trainer = trained(folder, tmp_path)
+    want = trainer.token_logprobs(TOKENS_BL, temperature=1.0)
+    assert (want - hf_logprobs(folder, TOKENS_BL)).abs().max() > 1e-3  # the step moved the weights
+
+    out = export_hf(trainer.sync_state(), shape=shape_of(folder), out_dir=tmp_path / "export",
+                    tokenizer_dir=folder, dtype="float32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[family]]
+    assert config["model_type"] == family
+    assert (out / "generation_config.json").is_file()
+    # fp32 export, fp32 forwards: as tight as the trainer-vs-transformers check.
+    torch.testing.assert_close(hf_logprobs(out, TOKENS_BL), want, atol=FP32_ATOL, rtol=0)
+
+    got, model_cls = vllm_native_prompt_logprobs(out, TOKENS_BL)
+    assert model_cls.startswith("vllm.model_executor.models."), model_cls  # vLLM's class, not ours
+    # vLLM's native model on CPU, fp32: its own kernels (fused QKV/gate-up GEMMs,
+    # its RMSNorm and attention ops) sum in other orders than the trainer's;
+    # measured max 4.8e-6, so the trainer-vs-transformers bound holds here too.
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+def test_lora_run_exports_merged_weights(tiny_hf_checkpoint, tmp_path):
+    folder = tiny_hf_checkpoint("llama")
+    lora = LoRAConfig(rank=2)
+    trainer = trained(folder, tmp_path, lora=lora)
+    want = trainer.token_logprobs(TOKENS_BL, temperature=1.0)
+    assert (want - hf_logprobs(folder, TOKENS_BL)).abs().max() > 1e-3  # the adapter is visible
+
+    out = export_hf(trainer.sync_state(), shape=shape_of(folder), out_dir=tmp_path / "export", lora=lora,
+                    dtype="float32")
+    assert not any("lora" in k for k in load_file(out / "model.safetensors"))
+    # W + scale * B @ A in fp32 vs the unmerged forward: rounding only.
+    torch.testing.assert_close(hf_logprobs(out, TOKENS_BL), want, atol=FP32_ATOL, rtol=0)
+
+
+def test_non_empty_target_is_refused(tiny_hf_checkpoint, tmp_path):
+    folder = tiny_hf_checkpoint("llama")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    model_state = {"x": torch.zeros(1)}
+    with pytest.raises(ValueError, match="export: .*taken exists and is not empty"):
+        export_hf(model_state, shape=shape_of(folder), out_dir=tmp_path / "taken")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+
+
+def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
+    """python -m torchtitan_rl.export --run-dir: the same folder as exporting the live trainer (bf16)."""
+    from torchtitan_rl.simple_grpo import run_shape
+    from torchtitan_rl.grpo import build_task
+    from torchtitan_rl.trainer import Trainer
+
+    folder = tiny_hf_checkpoint("llama")
+    run_dir = tmp_path / "run"
+    cfg = JobConfig()
+    cfg.job.output_dir = str(run_dir)
+    cfg.model.hf_checkpoint = str(folder)
+    shape = run_shape(cfg, build_task(cfg.grpo.task))
+    trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
+                      output_dir=run_dir)
+    trainer.train_step(make_batch(seed=0), temperature=1.0, grpo=GRPOConfig())
+    trainer.save_checkpoint(1)
+    write_toml(cfg, run_dir / "config.toml")
+    live = export_hf(trainer.sync_state(), shape=shape, out_dir=tmp_path / "live", tokenizer_dir=folder)
+
+    proc = run_module("torchtitan_rl.export", "--run-dir", str(run_dir), "--out", str(tmp_path / "cli"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = load_file(tmp_path / "cli" / "model.safetensors"), load_file(live / "model.safetensors")
+    assert got.keys() == want.keys() and all(got[k].dtype == torch.bfloat16 for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in got)
+    assert (tmp_path / "cli" / "config.json").read_text() == (live / "config.json").read_text()
+
+    proc = run_module("torchtitan_rl.export", "--run-dir", str(run_dir), "--step", "7", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"torchtitan_rl: error: export: --step 7: no complete checkpoint step-7 in {run_dir / 'checkpoints'} (have [1])"
+    ]
+
+
+def test_run_with_export_dir_writes_a_folder_transformers_loads(tmp_path):
+    out = tmp_path / "policy"
+    args = ["--config", "run_configs/cpu_tiny.toml", "--trainer.steps", "1", "--job.output_dir", str(tmp_path / "run")]
+    proc = run_cli(*args, "--job.export_dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
+
+    # A taken target stops the run before it trains, not after.
+    proc = run_cli(*args, "--job.export_dir", str(out))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"torchtitan_rl: error: export: {out} exists and is not empty"]
+
+
+def test_export_carries_the_checkpoint_tokenizer_and_chat_template(tiny_hf_checkpoint, smollm2_dir, tmp_path):
+    """A checkpoint's tokenizer, chat template and generation config travel into the export."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from torchtitan_rl.export import TOKENIZER_FILES
+    from torchtitan_rl.models.shape import build_titan_model
+
+    folder = tmp_path / "ckpt"  # the tiny Llama's weights with SmolLM2's tokenizer files
+    shutil.copytree(tiny_hf_checkpoint("llama"), folder)
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, folder)
+    shape = shape_of(folder)
+    model = build_titan_model(shape, seed=0)
+    out = export_hf(dict(model.named_parameters()), shape=shape, out_dir=tmp_path / "export", tokenizer_dir=folder)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    got = AutoTokenizer.from_pretrained(out).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert got == want and "<|im_start|>assistant" in got
+    assert (out / "generation_config.json").read_text() == (smollm2_dir / "generation_config.json").read_text()
