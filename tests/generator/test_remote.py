@@ -182,3 +182,14 @@ def test_waits_for_a_dead_peer_end_with_a_clear_error():
     _receive(_NoSync(), mailbox, timeout_s=30.0)
     assert mailbox.get("msg", "request") == {"op": "stop"}
     assert not store.check(["torchtitan_rl/generator/msg/0"])  # read messages are deleted
+
+
+def test_nccl_heldout_evaluation_runs_on_the_generator_rank(tmp_path, smollm2_dir):
+    # The greedy SamplingConfig travels in the generate message to the generator rank.
+    chat = {"grpo.task": "math", "task.tokenizer": smollm2_dir, "task.heldout_size": 4, "grpo.prompts_per_step": 2,
+            "grpo.group_size": 2, "model.max_seq_len": 128, "generator.max_model_len": 128,
+            "generator.sampling.max_tokens": 4, "trainer.steps": 2, "eval.every_n_steps": 1}
+    _torchrun(2, tmp_path, *_args(chat), "--weight_sync.transport", "nccl")
+    evals = [r for r in _records(tmp_path) if "eval_accuracy" in r]
+    assert [(r["step"], r["eval_weight_version"], r["eval_prompts"]) for r in evals] == [(0, 0, 4), (1, 1, 4), (2, 2, 4)]
+    assert all(r["eval_completion_tokens"] <= 4 for r in evals)

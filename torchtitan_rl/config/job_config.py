@@ -186,7 +186,7 @@ class TaskConfig:
     format_reward_weight: float = 0.0
     """Reward added for a \\boxed{...} answer, right or wrong; 0 scores correctness only."""
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
-    """math: difficulty levels drawn uniformly (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
+    """math: levels drawn uniformly, repeats weigh more (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
     heldout_size: int = 500
     """math: problems in the fixed held-out set (never drawn for training)."""
     path: str | None = None

@@ -66,6 +66,8 @@ def test_answers_are_whole_and_nonnegative_at_every_level():
 def test_only_the_configured_levels_are_drawn(smollm2_dir):
     rng = random.Random(0)
     assert {train_problem((1, 2), rng).level for _ in range(200)} == {1, 2}
+    ones = sum(train_problem((1, 1, 1, 2), rng).level == 1 for _ in range(2000))
+    assert 1350 < ones < 1650  # a repeated level is drawn more often: 3 in 4
     task = MathTask(TaskConfig(levels=(2,), heldout_size=10), tokenizer_dir=str(smollm2_dir))
     assert all(p.target.isdigit() for p in task.heldout_prompts())
 

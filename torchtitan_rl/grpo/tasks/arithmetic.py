@@ -144,7 +144,7 @@ class MathTask(ChatTask):
 
     def __init__(self, config: TaskConfig, *, tokenizer_dir: str, field: str = "task.tokenizer", **kwargs) -> None:
         super().__init__(config, tokenizer_dir=tokenizer_dir, field=field, **kwargs)
-        self.levels = tuple(sorted(set(config.levels)))
+        self.levels = tuple(config.levels)  # a repeated level is drawn more often
         self._heldout = [self.make_prompt(p.text, str(p.answer))
                          for p in heldout_problems(self.levels, config.heldout_size)]
 
