@@ -101,8 +101,7 @@ def test_non_empty_target_is_refused(tiny_hf_checkpoint, tmp_path):
 
 def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     """python -m torchtitan_rl.export --run-dir: the same folder as exporting the live trainer (bf16)."""
-    from torchtitan_rl.simple_grpo import run_shape
-    from torchtitan_rl.grpo import build_task
+    from torchtitan_rl.simple_grpo import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     folder = tiny_hf_checkpoint("llama")
@@ -110,7 +109,7 @@ def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     cfg = JobConfig()
     cfg.job.output_dir = str(run_dir)
     cfg.model.hf_checkpoint = str(folder)
-    shape = run_shape(cfg, build_task(cfg.grpo.task))
+    shape = run_shape(cfg, run_task(cfg))
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
                       output_dir=run_dir)
     trainer.train_step(make_batch(seed=0), temperature=1.0, grpo=GRPOConfig())
@@ -132,6 +131,7 @@ def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_run_with_export_dir_writes_a_folder_transformers_loads(tmp_path):
     out = tmp_path / "policy"
     args = ["--config", "run_configs/cpu_tiny.toml", "--trainer.steps", "1", "--job.output_dir", str(tmp_path / "run")]

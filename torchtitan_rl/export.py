@@ -128,10 +128,9 @@ def _expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> Path:
     """Export step ``step`` (default: the newest complete one) of the run in ``run_dir``."""
     from torchtitan_rl.config import load_toml
-    from torchtitan_rl.grpo import build_task
     from torchtitan_rl.models.lora import apply_lora
     from torchtitan_rl.models.shape import build_titan_model
-    from torchtitan_rl.simple_grpo import run_shape
+    from torchtitan_rl.simple_grpo import run_shape, run_task
     from torchtitan_rl.trainer import checkpoint
 
     check_target(out)
@@ -148,7 +147,7 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
         step = max(found)
     if step not in found:
         raise ValueError(f"export: --step {step}: no complete checkpoint step-{step} in {folder} (have {sorted(found)})")
-    shape = run_shape(cfg, build_task(cfg.grpo.task))
+    shape = run_shape(cfg, run_task(cfg))
     model = build_titan_model(shape, seed=cfg.job.seed)  # every parameter is then read from the checkpoint
     if cfg.model.lora.rank:
         apply_lora(model, cfg.model.lora)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from torchtitan_rl.config import JobConfig, parse_args, write_toml
+from torchtitan_rl.config.loader import effective_task
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,7 +86,7 @@ def run(cfg: JobConfig) -> list[dict]:
 
     evaluator = None
     if cfg.eval.every_n_steps:
-        evaluator = Evaluator(cfg.eval, task=task, spec=cfg.grpo.task, sampling=cfg.generator.sampling,
+        evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
                               seed=cfg.job.seed)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
@@ -231,10 +232,15 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
 
 
 def run_task(cfg: JobConfig):
-    """grpo.task built with the task section and its tokenizer folder (task.tokenizer, else the checkpoint's)."""
+    """The run's task (config.loader.effective_task) built with the task section and its tokenizer folder
+    (task.tokenizer, else the checkpoint's)."""
     from torchtitan_rl.grpo import build_task
 
-    return build_task(cfg.grpo.task, cfg.task, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint)
+    spec = effective_task(cfg)
+    if spec != cfg.grpo.task and os.environ.get("RANK", "0") == "0":
+        print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
+              f"{spec!r}: a timing harness, nothing will learn (--model.hf_checkpoint DIR trains {cfg.grpo.task!r})")
+    return build_task(spec, cfg.task, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint)
 
 
 def run_shape(cfg: JobConfig, task):
@@ -251,7 +257,7 @@ def run_shape(cfg: JobConfig, task):
         max_seq_len=cfg.model.max_seq_len,
     )
     check_vocabulary(
-        task, spec=cfg.grpo.task, model_vocab_size=shape.vocab_size, hf_checkpoint=cfg.model.hf_checkpoint
+        task, spec=effective_task(cfg), model_vocab_size=shape.vocab_size, hf_checkpoint=cfg.model.hf_checkpoint
     )
     return shape
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import LOGPROB_ATOL, free_port, run_cli
+from tests.helpers import BF16_MISMATCH_MEAN, free_port, run_cli
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
 from torchtitan_rl.models.families import resolve_shape
@@ -130,6 +130,7 @@ def test_other_rope_scaling_is_refused_not_ignored(tiny_hf_checkpoint, tmp_path)
         shape_of(folder)
 
 
+@pytest.mark.slow
 def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
     """parallelize_qwen3 (FSDP2 over 2 gloo ranks) on a Llama shape: two CLI steps, then the sharded export."""
     import os
@@ -145,7 +146,7 @@ def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and all(r["mismatch_max"] < LOGPROB_ATOL for r in records), records
+    assert len(records) == 2 and all(r["mismatch_mean"] < BF16_MISMATCH_MEAN for r in records), records
     from transformers import AutoModelForCausalLM  # every rank joined the gathers, rank 0 wrote
 
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")).__name__ == "LlamaForCausalLM"

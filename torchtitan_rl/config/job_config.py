@@ -159,6 +159,8 @@ class GeneratorConfig:
 class GRPOConfig:
     task: str = "digits"
     """Task: digits[:mode] (own 16-token tokenizer), math, dataset, or 'package.module:factory' (README)."""
+    task_without_checkpoint: str | None = None
+    """Task run instead of grpo.task when model.hf_checkpoint is unset: random weights, a timing harness that learns nothing (e.g. digits, whose ids fit any vocabulary)."""
     prompts_per_step: int = 16
     """Distinct prompts per step (global)."""
     group_size: int = 8

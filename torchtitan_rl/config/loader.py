@@ -263,9 +263,16 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
             )
 
 
+def effective_task(cfg: JobConfig) -> str:
+    """The task this run trains on: grpo.task, or grpo.task_without_checkpoint on random weights."""
+    if cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None:
+        return cfg.grpo.task_without_checkpoint
+    return cfg.grpo.task
+
+
 def _check_task(cfg: JobConfig) -> None:
     """The task section against grpo.task (the files are read when the task is built)."""
-    task, name = cfg.task, cfg.grpo.task.partition(":")[0]
+    task, name = cfg.task, effective_task(cfg).partition(":")[0]
     _at_least(cfg, 0, "task.format_reward_weight")
     _positive(cfg, "task.heldout_size")
     _in_range(cfg, "task.heldout_fraction", 0, 1, "[0, 1)")
@@ -293,7 +300,7 @@ def _check_eval(cfg: JobConfig) -> None:
             f"eval.max_tokens: {cfg.eval.max_tokens} leaves no room for a prompt in "
             f"generator.max_model_len {cfg.generator.max_model_len}"
         )
-    if cfg.eval.every_n_steps and cfg.grpo.task.partition(":")[0] == "digits":
+    if cfg.eval.every_n_steps and effective_task(cfg).partition(":")[0] == "digits":
         # Every digit string can be drawn for training: nothing is held out.
         raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
 
