@@ -85,3 +85,31 @@ def test_smollm2_trainer_and_generator_agree_with_transformers(smollm2_dir, tmp_
         (mean, peak), (ref_mean, ref_peak) = errors(ours, want), errors(reference, want)
         assert mean <= BF16_VS_TRANSFORMERS * ref_mean, (side, mean, ref_mean)
         assert peak <= BF16_VS_TRANSFORMERS * ref_peak, (side, peak, ref_peak)
+
+
+@pytest.mark.slow
+def test_one_grpo_step_on_the_math_task_then_export(smollm2_dir, tmp_path):
+    """The README's real-model path on CPU, made small: chat-template prompts, math-verify reward,
+    held-out evaluation before and after, the policy exported as a folder transformers loads."""
+    import json
+
+    from transformers import AutoConfig
+
+    from tests.helpers import REPO
+    from torchtitan_rl import simple_grpo
+    from torchtitan_rl.config import load_toml
+
+    cfg = load_toml(REPO / "run_configs" / "smollm2_135m_math_cpu.toml")
+    cfg.model.hf_checkpoint = str(smollm2_dir)
+    cfg.job.output_dir, cfg.job.export_dir = str(tmp_path / "run"), str(tmp_path / "hf")
+    cfg.trainer.steps, cfg.grpo.prompts_per_step, cfg.grpo.group_size = 1, 2, 2
+    cfg.generator.sampling.max_tokens = cfg.eval.max_tokens = 16
+    cfg.eval.num_prompts = 2
+    (record,) = simple_grpo.run(cfg)
+    assert record["weight_version"] == 0 and record["tokens"] > 0
+    assert record["mismatch_mean"] < 1e-4  # fp32 on both sides (the CPU config): summation order only, measured 6e-7
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval_accuracy" in r] == [0, 1]  # before the step and after it
+    exported = AutoConfig.from_pretrained(tmp_path / "hf")
+    assert exported.architectures == ["LlamaForCausalLM"]
+    assert (tmp_path / "hf" / "tokenizer.json").is_file() and (tmp_path / "hf" / "chat_template.jinja").is_file()
