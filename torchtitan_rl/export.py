@@ -153,7 +153,7 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
         apply_lora(model, cfg.model.lora)
     checkpoint.load_model(found[step], model=model)
     return export_hf(
-        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=cfg.model.hf_checkpoint,
+        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint,
         lora=cfg.model.lora, dtype=cfg.model.dtype,
     )
 

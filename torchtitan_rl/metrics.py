@@ -24,26 +24,22 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **metrics}
-        self.history.append(record)
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for key, value in metrics.items():
-            self._tb.add_scalar(key, value, step)
+        self._write(step, metrics, self.history, tb_key=lambda key: key)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """A held-out evaluation of the weights after ``step`` optimizer steps: its own JSONL line
         (keys eval_*), TensorBoard under eval/."""
+        self._write(step, metrics, self.eval_history, tb_key=lambda key: f"eval/{key.removeprefix('eval_')}")
+
+    def _write(self, step: int, metrics: dict[str, float], history: list[dict], *, tb_key) -> None:
         record = {"step": step, **metrics}
-        self.eval_history.append(record)
+        history.append(record)
         if not self.enabled:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for key, value in metrics.items():
-            self._tb.add_scalar(f"eval/{key.removeprefix('eval_')}", value, step)
+            self._tb.add_scalar(tb_key(key), value, step)
 
     def close(self) -> Path | None:
         """Flush and draw reward and logprob mismatch over steps; returns the PNG path."""

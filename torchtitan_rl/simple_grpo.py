@@ -198,7 +198,7 @@ def run(cfg: JobConfig) -> list[dict]:
             from torchtitan_rl.export import export_hf
 
             export_hf(trainer.sync_state(), shape=shape, out_dir=cfg.job.export_dir,
-                      tokenizer_dir=cfg.model.hf_checkpoint, lora=cfg.model.lora, dtype=cfg.model.dtype)
+                      tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint, lora=cfg.model.lora, dtype=cfg.model.dtype)
         plot = logger.close()
         history = logger.history
         if rank == 0 and history:
@@ -244,7 +244,7 @@ def run_task(cfg: JobConfig):
 
 
 def run_shape(cfg: JobConfig, task):
-    """The run's model shape; the tiny flavor takes the task tokenizer's vocabulary."""
+    """The run's model shape; the tiny flavors (vocab 0) take the task tokenizer's vocabulary."""
     from torchtitan_rl.grpo.tasks import check_vocabulary
     from torchtitan_rl.models.families import FLAVORS, resolve_shape
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 metrics, summary_path, nproc, steps, rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 records = [json.loads(line) for line in Path(metrics).read_text().splitlines()] if Path(metrics).exists() else []
+records = [r for r in records if "step_s" in r]  # training steps; held-out evaluations are lines of their own
 kept = records[2:] or records  # steps 0-1 include warm-ups
 keys = ("step_s", "sync_s", "generate_s", "train_s", "gen_tokens_per_s", "mismatch_max", "mismatch_mean")
 summary = {

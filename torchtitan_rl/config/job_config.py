@@ -46,7 +46,7 @@ class ModelConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """Compute dtype of the generator and of the trainer's forward/backward."""
     vocab_size: int = 0
-    """Vocabulary size; 0 takes the flavor's (tiny: the task tokenizer's)."""
+    """Vocabulary size; 0 takes the flavor's (tiny, tiny-llama: the task tokenizer's)."""
     max_seq_len: int = 512
     """Longest prompt + completion in tokens; sizes the RoPE cache of small flavors."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)

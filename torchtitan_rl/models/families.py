@@ -62,6 +62,9 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
     missing = sorted(n for n in names if hf.get(n) is None)
     if missing:
         raise ValueError(f"{where}: missing {missing}")
+    lacking = [k for k in LLAMA3_SCALING if scaling is not None and scaling.get(k) is None]
+    if lacking:
+        raise ValueError(f"{where}: rope_scaling 'llama3' lacks {lacking}")
     return ModelShape(
         family=family,
         **{n: hf[n] for n in names},

@@ -58,7 +58,7 @@ class TrainBatch:
 
 
 class Trainer:
-    """torchtitan's Qwen3 (FSDP2, fp32 masters, bf16 compute) trained with the GRPO loss."""
+    """torchtitan's decoder, Qwen3 or Llama family (FSDP2, fp32 masters, bf16 compute) trained with the GRPO loss."""
 
     def __init__(
         self,

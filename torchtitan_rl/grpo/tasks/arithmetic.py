@@ -15,17 +15,16 @@ GRPO has signal in every batch; 3-5 leave room to improve.
 Train and held-out never overlap: a problem belongs to the held-out side iff
 a hash of its text falls in one bucket of ``HELDOUT_BUCKETS``. The held-out
 set is the first ``heldout_size`` such problems drawn with a fixed seed
-(levels in turn, so each level is equally represented); the training stream
+(task.levels in turn: each listed level equally often); the training stream
 draws from the run's prompt RNG and skips every held-out-side problem.
 """
 
-import hashlib
 import random
 from dataclasses import dataclass
 
 from torchtitan_rl.config import TaskConfig
 from torchtitan_rl.grpo.tasks.base import Prompt
-from torchtitan_rl.grpo.tasks.chat import ChatTask
+from torchtitan_rl.grpo.tasks.chat import ChatTask, stable_hash
 
 HELDOUT_BUCKETS = 16
 """1 in 16 possible problems is held-out-side (level 1 has a few thousand distinct texts)."""
@@ -116,7 +115,7 @@ def make_problem(level: int, rng: random.Random) -> Problem:
 
 def is_heldout(text: str) -> bool:
     """Which side of the split a problem text is on (a stable hash, not Python's salted one)."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % HELDOUT_BUCKETS == 0
+    return stable_hash(text) % HELDOUT_BUCKETS == 0
 
 
 def heldout_problems(levels: tuple[int, ...], size: int) -> list[Problem]:

@@ -8,6 +8,7 @@ appended, and rewards from grpo/rewards.py on the decoded completion.
 Where prompts come from is the subclass's business.
 """
 
+import hashlib
 from pathlib import Path
 
 from torchtitan_rl.config import TaskConfig
@@ -72,3 +73,8 @@ class ChatTask(Task):
     def describe(self, prompt: Prompt, completion_ids: list[int]) -> str:
         text = self.completion_text(completion_ids)
         return f"{prompt.text!r} -> {text!r} (answer {prompt.target}, reward {self.reward(prompt, completion_ids):.2f})"
+
+
+def stable_hash(text: str) -> int:
+    """A hash of ``text`` that is the same in every process and run (Python's ``hash`` is salted)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")

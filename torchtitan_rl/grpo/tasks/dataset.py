@@ -15,7 +15,6 @@ prompt RNG, so a resumed run draws exactly the prompts an uninterrupted one
 would.
 """
 
-import hashlib
 import json
 import math
 import random
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from torchtitan_rl.config import TaskConfig
 from torchtitan_rl.grpo.tasks.base import Prompt
-from torchtitan_rl.grpo.tasks.chat import ChatTask
+from torchtitan_rl.grpo.tasks.chat import ChatTask, stable_hash
 
 _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
 
@@ -93,15 +92,11 @@ def _parquet_rows(file: Path, *, field: str, columns: tuple[str, ...]):
         yield f"{file} row {number}", row
 
 
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
-
-
 def split_heldout(records: list[tuple[str, str]], fraction: float) -> tuple[list, list]:
     """(train, held-out): the ceil(fraction * n) records of smallest question hash, held out."""
     if fraction == 0:
         return records, []
-    ranked = sorted(range(len(records)), key=lambda i: (_hash(records[i][0]), i))
+    ranked = sorted(range(len(records)), key=lambda i: (stable_hash(records[i][0]), i))
     held = set(ranked[: math.ceil(fraction * len(records))])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 

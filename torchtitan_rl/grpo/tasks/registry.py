@@ -34,7 +34,9 @@ def build_task(spec: str, config: TaskConfig | None = None, *, tokenizer_dir: st
     if name == "digits":
         # DigitsTask raises its own grpo.task ValueError for an unknown mode.
         return DigitsTask(mode=arg) if arg else DigitsTask()
-    if name in ("math", "dataset") and not arg:
+    if name in ("math", "dataset") and arg:
+        raise ValueError(f"grpo.task: {name!r} takes no ':<arg>' (got {spec!r}); its settings are in [task]")
+    if name in ("math", "dataset"):
         if tokenizer_dir is None:
             raise ValueError(f"task.tokenizer: grpo.task '{name}' needs task.tokenizer or model.hf_checkpoint")
         field = "task.tokenizer" if config.tokenizer else "model.hf_checkpoint"
