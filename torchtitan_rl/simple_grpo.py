@@ -240,7 +240,9 @@ def run_task(cfg: JobConfig):
     if spec != cfg.grpo.task and os.environ.get("RANK", "0") == "0":
         print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
               f"{spec!r}: a timing harness, nothing will learn (--model.hf_checkpoint DIR trains {cfg.grpo.task!r})")
-    return build_task(spec, cfg.task, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint)
+    completion = max(cfg.generator.sampling.max_tokens, cfg.eval.max_tokens)
+    return build_task(spec, cfg.task, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint,
+                      max_prompt_tokens=cfg.generator.max_model_len - completion)
 
 
 def run_shape(cfg: JobConfig, task):

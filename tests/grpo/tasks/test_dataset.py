@@ -147,3 +147,12 @@ def test_unknown_extension_and_empty_file_are_refused(tmp_path, smollm2_dir):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"task.path: .*e.jsonl holds no records"):
         _task(smollm2_dir, path=str(tmp_path / "e.jsonl"))
+
+
+def test_a_prompt_longer_than_the_context_leaves_is_refused_at_startup(tmp_path, smollm2_dir):
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n'
+                    + json.dumps({"question": "Add these: " + " + ".join(["1"] * 200), "answer": "200"}) + "\n")
+    with pytest.raises(ValueError, match=r"^task.path: a question in .*long.jsonl takes \d+ tokens .* more than the 120"):
+        DatasetTask(TaskConfig(path=str(path), heldout_fraction=0.0), tokenizer_dir=str(smollm2_dir),
+                    max_prompt_tokens=120)

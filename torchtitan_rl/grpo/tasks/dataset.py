@@ -104,7 +104,8 @@ def split_heldout(records: list[tuple[str, str]], fraction: float) -> tuple[list
 class DatasetTask(ChatTask):
     """A file of (question, answer) records in the model's chat template, reshuffled every epoch."""
 
-    def __init__(self, config: TaskConfig, *, tokenizer_dir: str, field: str = "task.tokenizer", **kwargs) -> None:
+    def __init__(self, config: TaskConfig, *, tokenizer_dir: str, field: str = "task.tokenizer",
+                 max_prompt_tokens: int | None = None, **kwargs) -> None:
         super().__init__(config, tokenizer_dir=tokenizer_dir, field=field, **kwargs)
         read = dict(prompt_field=config.prompt_field, answer_field=config.answer_field)
         records = read_records(config.path, field="task.path", **read)
@@ -119,6 +120,16 @@ class DatasetTask(ChatTask):
         self.path = config.path
         self._train = [self.make_prompt(q, a) for q, a in train]
         self._heldout = [self.make_prompt(q, a) for q, a in heldout]
+        if max_prompt_tokens is not None:  # refused now, not by vLLM mid-run
+            for name, prompts in (("task.path", self._train), ("task.heldout_path", self._heldout)):
+                longest = max(prompts, key=lambda p: len(p.token_ids), default=None)
+                if longest is not None and len(longest.token_ids) > max_prompt_tokens:
+                    file = config.heldout_path if name == "task.heldout_path" and config.heldout_path else config.path
+                    raise ValueError(
+                        f"{name}: a question in {file} takes {len(longest.token_ids)} tokens in the chat template, "
+                        f"more than the {max_prompt_tokens} that generator.max_model_len leaves beside the "
+                        f"completion's max_tokens: {longest.text[:80]!r}..."
+                    )
         self._epoch, self._epoch_seed, self._position = 0, None, 0
         self._order: list[int] = []
 

@@ -27,8 +27,12 @@ from torchtitan_rl.grpo.tasks.base import Task
 from torchtitan_rl.grpo.tasks.digits import MODES, DigitsTask
 
 
-def build_task(spec: str, config: TaskConfig | None = None, *, tokenizer_dir: str | None = None) -> Task:
-    """Build the task named by ``spec`` (the value of ``grpo.task``)."""
+def build_task(
+    spec: str, config: TaskConfig | None = None, *, tokenizer_dir: str | None = None,
+    max_prompt_tokens: int | None = None,
+) -> Task:
+    """Build the task named by ``spec`` (the value of ``grpo.task``); a dataset's prompts must fit
+    ``max_prompt_tokens`` (what the generator's context leaves beside a completion)."""
     config = config or TaskConfig()
     name, _, arg = spec.partition(":")
     if name == "digits":
@@ -46,7 +50,7 @@ def build_task(spec: str, config: TaskConfig | None = None, *, tokenizer_dir: st
             return MathTask(config, tokenizer_dir=tokenizer_dir, field=field)
         from torchtitan_rl.grpo.tasks.dataset import DatasetTask
 
-        return DatasetTask(config, tokenizer_dir=tokenizer_dir, field=field)
+        return DatasetTask(config, tokenizer_dir=tokenizer_dir, field=field, max_prompt_tokens=max_prompt_tokens)
     if not arg:
         raise ValueError(
             f"grpo.task: unknown task {spec!r}; use 'digits', 'digits:<mode>' with mode in {MODES}, "
