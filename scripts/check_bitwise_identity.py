@@ -94,7 +94,8 @@ def main() -> int:
     rows = results["default"] + results["bi"]
     body = table(["mode", "prompts in batch", "tokens compared", "tokens different", "max abs diff"], rows)
     body += (
-        f"\nTrainer and generator built from {Path(args.config).name} (random weights, one sync), one sample per "
+        f"\nTrainer and generator built from {Path(args.config).name} "
+        f"({'weights of ' + base.model.hf_checkpoint if base.model.hf_checkpoint else 'random weights'}, one sync), one sample per "
         f"prompt, T={base.generator.sampling.temperature}, up to {base.generator.sampling.max_tokens} new tokens; "
         f"the trainer recomputes the rows in reverse order (micro-batches of {base.trainer.micro_batch_size}).\n"
     )
