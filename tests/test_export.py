@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run_cli, run_module
+from tests.helpers import run_module
 from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_trainer, shape_of
 from tests.trainer.helpers import make_batch
 from torchtitan_rl import compat
@@ -129,23 +129,6 @@ def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"torchtitan_rl: error: export: --step 7: no complete checkpoint step-7 in {run_dir / 'checkpoints'} (have [1])"
     ]
-
-
-@pytest.mark.slow
-def test_run_with_export_dir_writes_a_folder_transformers_loads(tmp_path):
-    out = tmp_path / "policy"
-    args = ["--config", "run_configs/cpu_tiny.toml", "--trainer.steps", "1", "--job.output_dir", str(tmp_path / "run")]
-    proc = run_cli(*args, "--job.export_dir", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert type(model).__name__ == "Qwen3ForCausalLM" and model.dtype == torch.bfloat16
-
-    # A taken target stops the run before it trains, not after.
-    proc = run_cli(*args, "--job.export_dir", str(out))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [f"torchtitan_rl: error: export: {out} exists and is not empty"]
 
 
 def test_export_carries_the_checkpoint_tokenizer_and_chat_template(tiny_hf_checkpoint, smollm2_dir, tmp_path):
