@@ -17,12 +17,12 @@ is set; this command does the same from any saved checkpoint of a run.
 import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.models.families import to_hf
 from torchtitan_rl.models.lora import merged_state
@@ -164,11 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
     parser.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():
         out = export_checkpoint(args.run_dir, out=args.out, step=args.step)
-    except ValueError as e:
-        print(f"torchtitan_rl: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(f"torchtitan_rl: exported {args.run_dir} -> {out}")
 
 

@@ -10,10 +10,10 @@ ranks train. The step body is the same for both. Heavy imports stay inside
 """
 
 import os
-import sys
 import time
 from pathlib import Path
 
+from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, write_toml
 from torchtitan_rl.config.loader import effective_task
 
@@ -24,13 +24,8 @@ def main(argv: list[str] | None = None) -> None:
         write_toml(cfg, Path(cfg.job.output_dir) / "config.toml")
         print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / 'config.toml'}")
         return
-    try:
+    with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
         run(cfg)
-    except ValueError as e:
-        # User errors found past parsing (a checkpoint, a task, mismatched
-        # weights) name the field or tensor; one line, no traceback.
-        print(f"torchtitan_rl: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     # After a successful run only (as torchtitan: after a failure some ranks may
     # still be inside a collective). Left to interpreter teardown, gloo's worker
     # threads can still hold tensors and abort a finished rank (SIGABRT, "terminate

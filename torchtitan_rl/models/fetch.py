@@ -16,9 +16,10 @@ import hashlib
 import importlib.metadata
 import json
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from torchtitan_rl.cli import one_line_errors
 
 
 @dataclass(frozen=True)
@@ -112,11 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model", choices=sorted(MODELS), help="which model to write")
     parser.add_argument("--out", required=True, help="folder to write (created; a finished one is left alone)")
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():
         out = fetch(args.model, args.out)
-    except ValueError as e:
-        print(f"torchtitan_rl: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(f"torchtitan_rl: {args.model} -> {out}")
 
 
