@@ -1,4 +1,4 @@
-"""Shared by the tests: a tiny Qwen3, a generator on it, and a reference forward."""
+"""Shared by the tests: tiny models (Qwen3 or Llama family), a generator on them, and the bf16 checks."""
 
 import copy
 import os

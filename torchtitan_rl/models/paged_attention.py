@@ -93,7 +93,7 @@ def _attention_kernel(
 
 
 def check_shape(*, heads: int, kv_heads: int, head_dim: int) -> None:
-    """ValueError unless the kernel can take this attention shape (every Qwen3 size can)."""
+    """ValueError unless the kernel can take this attention shape (every Qwen3 size and SmolLM2's 9/3 heads of 64 can)."""
     if head_dim < 16 or head_dim != triton.next_power_of_2(head_dim) or heads % kv_heads:
         raise ValueError(f"model: batch-invariant attention on CUDA needs head_dim a power of two >= 16 and "
                          f"heads a multiple of kv_heads, got head_dim {head_dim}, {heads} / {kv_heads} heads")

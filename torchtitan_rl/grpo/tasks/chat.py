@@ -39,7 +39,6 @@ class ChatTask(Task):
 
     def __init__(self, config: TaskConfig, *, tokenizer_dir: str, field: str,
                  reward_fns: list[tuple[float, rewards.RewardFn]] | None = None) -> None:
-        self.tokenizer_dir = tokenizer_dir
         self.tokenizer = load_chat_tokenizer(tokenizer_dir, field=field)
         # The chat template ends an assistant turn with the eos token (<|im_end|> for SmolLM2 and Qwen3).
         self.eos_id = self.tokenizer.eos_token_id
