@@ -108,6 +108,21 @@ def from_hf(hf_state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, t
     return state
 
 
+def load_hf_state(
+    model: torch.nn.Module, hf_state: dict[str, torch.Tensor], shape: ModelShape, *, where: str,
+    owned_elsewhere: str | None = None,
+) -> None:
+    """Load HF tensors into a torchtitan model; ValueError naming ``where`` unless they cover it exactly
+    (a tied lm_head, and tensors whose name holds ``owned_elsewhere``, excepted)."""
+    missing, unexpected = model.load_state_dict(from_hf(hf_state, shape), strict=False)
+    missing = [
+        k for k in missing
+        if not (shape.tie_word_embeddings and k == "lm_head.weight") and not (owned_elsewhere and owned_elsewhere in k)
+    ]
+    if missing or unexpected:
+        raise ValueError(f"{where} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 def to_hf(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
     """Our checkpoint-format tensors (wq/wk/wv) by HF names; tied shapes store only the embedding."""
     adapter = shape.family.state_dict_adapter(titan_config(shape), None)

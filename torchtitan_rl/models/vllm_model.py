@@ -17,7 +17,7 @@ import torch.nn as nn
 from torchtitan_rl import compat
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.models.lora import apply_lora
-from torchtitan_rl.models.families import family_by_model_type, from_hf, shape_from_hf_config
+from torchtitan_rl.models.families import family_by_model_type, load_hf_state, shape_from_hf_config
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
 from torchtitan_rl.weight_sync.plan import Destination
 
@@ -284,16 +284,9 @@ class TorchTitanForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a Hugging Face checkpoint (load_format=auto, debugging without a trainer)."""
-        titan_state = from_hf(dict(weights), self.shape)
-        missing, unexpected = self.model.load_state_dict(titan_state, strict=False)
-        missing = [
-            k for k in missing
-            if not (self.shape.tie_word_embeddings and k == "lm_head.weight") and ".inner_attention.attn." not in k
-        ]
-        if missing or unexpected:
-            raise ValueError(
-                f"model.hf_checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+        # vLLM's attention layer owns its KV-cache scales (engine_constants), no checkpoint holds them.
+        load_hf_state(self.model, dict(weights), self.shape, where="model.hf_checkpoint",
+                      owned_elsewhere=".inner_attention.attn.")
         return {name for name, _ in self.named_parameters()}
 
     def sync_targets(self) -> dict[str, Destination]:

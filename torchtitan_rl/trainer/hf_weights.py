@@ -9,7 +9,7 @@ from pathlib import Path
 import safetensors.torch
 import torch.nn as nn
 
-from torchtitan_rl.models.families import from_hf
+from torchtitan_rl.models.families import load_hf_state
 from torchtitan_rl.models.shape import ModelShape
 
 
@@ -21,11 +21,4 @@ def load_hf_weights(model: nn.Module, *, shape: ModelShape, hf_dir: str | Path) 
     hf_state = {}
     for file in files:
         hf_state.update(safetensors.torch.load_file(file))
-    missing, unexpected = model.load_state_dict(from_hf(hf_state, shape), strict=False)
-    if shape.tie_word_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(
-            f"model.hf_checkpoint: {hf_dir} does not match the model: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    load_hf_state(model, hf_state, shape, where=f"model.hf_checkpoint: {hf_dir}")
