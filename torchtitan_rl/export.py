@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import LoRAConfig
+from torchtitan_rl.folders import complete_or_absent
 from torchtitan_rl.models.families import to_hf
 from torchtitan_rl.models.lora import merged_state
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
@@ -83,24 +84,19 @@ def export_hf(
 
     from safetensors.torch import save_file
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
-    config = _hf_config(shape, tokenizer_dir, dtype)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    source = Path(tokenizer_dir) if tokenizer_dir is not None else None
-    if source is not None and (source / "generation_config.json").is_file():
-        shutil.copy(source / "generation_config.json", tmp)
-    else:
-        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-        (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2))
-    for name in TOKENIZER_FILES:
-        if source is not None and (source / name).is_file():
-            shutil.copy(source / name, tmp)
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    tmp.rename(out)  # complete or absent: a killed export leaves only *.partial
+    with complete_or_absent(out) as tmp:
+        save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = _hf_config(shape, tokenizer_dir, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        source = Path(tokenizer_dir) if tokenizer_dir is not None else None
+        if source is not None and (source / "generation_config.json").is_file():
+            shutil.copy(source / "generation_config.json", tmp)
+        else:
+            ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+            (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2))
+        for name in TOKENIZER_FILES:
+            if source is not None and (source / name).is_file():
+                shutil.copy(source / name, tmp)
     return out
 
 

@@ -15,11 +15,11 @@ import argparse
 import hashlib
 import importlib.metadata
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan_rl.cli import one_line_errors
+from torchtitan_rl.folders import complete_or_absent
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,10 @@ def fetch(name: str, out: str | Path) -> Path:
     model.config.quantization_config = None
     del model.config.quantization_config
     model.config.rms_norm_eps = source.rms_norm_eps
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / MARKER).write_text(json.dumps(source_id))
-    if out.exists():
-        out.rmdir()  # empty, checked above
-    tmp.rename(out)  # complete or absent: a killed fetch leaves only *.partial
+    with complete_or_absent(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps(source_id))  # last: it marks the folder finished
     return out
 
 
