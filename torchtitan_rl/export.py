@@ -124,6 +124,7 @@ def _expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> Path:
     """Export step ``step`` (default: the newest complete one) of the run in ``run_dir``."""
     from torchtitan_rl.config import load_toml
+    from torchtitan_rl.config.loader import tokenizer_dir
     from torchtitan_rl.models.lora import apply_lora
     from torchtitan_rl.models.shape import build_titan_model
     from torchtitan_rl.simple_grpo import run_shape, run_task
@@ -149,7 +150,7 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
         apply_lora(model, cfg.model.lora)
     checkpoint.load_model(found[step], model=model)
     return export_hf(
-        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint,
+        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=tokenizer_dir(cfg),
         lora=cfg.model.lora, dtype=cfg.model.dtype,
     )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, write_toml
-from torchtitan_rl.config.loader import effective_task
+from torchtitan_rl.config.loader import effective_task, tokenizer_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,7 +193,7 @@ def run(cfg: JobConfig) -> list[dict]:
             from torchtitan_rl.export import export_hf
 
             export_hf(trainer.sync_state(), shape=shape, out_dir=cfg.job.export_dir,
-                      tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint, lora=cfg.model.lora, dtype=cfg.model.dtype)
+                      tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype)
         plot = logger.close()
         history = logger.history
         if rank == 0 and history:
@@ -236,7 +236,7 @@ def run_task(cfg: JobConfig):
         print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
               f"{spec!r}: a timing harness, nothing will learn (--model.hf_checkpoint DIR trains {cfg.grpo.task!r})")
     completion = max(cfg.generator.sampling.max_tokens, cfg.eval.max_tokens)
-    return build_task(spec, cfg.task, tokenizer_dir=cfg.task.tokenizer or cfg.model.hf_checkpoint,
+    return build_task(spec, cfg.task, tokenizer_dir=tokenizer_dir(cfg),
                       max_prompt_tokens=cfg.generator.max_model_len - completion)
 
 

@@ -270,6 +270,11 @@ def effective_task(cfg: JobConfig) -> str:
     return cfg.grpo.task
 
 
+def tokenizer_dir(cfg: JobConfig) -> str | None:
+    """The folder the run's task tokenizes with (and an export copies): task.tokenizer, else the checkpoint's."""
+    return cfg.task.tokenizer or cfg.model.hf_checkpoint
+
+
 def _check_task(cfg: JobConfig) -> None:
     """The task section against grpo.task (the files are read when the task is built)."""
     task, name = cfg.task, effective_task(cfg).partition(":")[0]
@@ -279,7 +284,7 @@ def _check_task(cfg: JobConfig) -> None:
     bad = [level for level in task.levels if not 1 <= level <= 5]
     if bad or not task.levels:
         raise ValueError(f"task.levels: each must be in 1..5, got {list(task.levels)}")
-    if name in ("math", "dataset") and task.tokenizer is None and cfg.model.hf_checkpoint is None:
+    if name in ("math", "dataset") and tokenizer_dir(cfg) is None:
         raise ValueError(
             f"task.tokenizer: grpo.task '{name}' renders prompts with a chat template; set task.tokenizer "
             "or model.hf_checkpoint to a folder with tokenizer.json"
