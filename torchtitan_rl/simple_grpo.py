@@ -5,8 +5,9 @@ loss + optimizer step -> log. Every rank runs this file (torchrun for more
 than one). Where the vLLM generator runs is weight_sync.transport:
 "inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
 the last torchrun rank, its own device (generator/remote.py), the other
-ranks train. The step body is the same for both. Heavy imports stay inside
-``run`` so that --help and config errors are instant.
+ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
+HTTP (generator/server_client.py). The step body is the same for all three.
+Heavy imports stay inside ``run`` so that --help and config errors are instant.
 """
 
 import os
@@ -47,6 +48,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.config import validate
     from torchtitan_rl.generator.colocated import ColocatedGenerator
     from torchtitan_rl.generator.remote import RemoteGenerator, serve
+    from torchtitan_rl.generator.server_client import ServerGenerator
     from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.grpo.evaluate import Evaluator
@@ -95,8 +97,10 @@ def run(cfg: JobConfig) -> list[dict]:
         write_toml(cfg, out / "config.toml")
     generator = None
     try:
-        # The generator as the loop sees it, in either layout: sync, rollouts, close.
-        if world is None:
+        # The generator as the loop sees it, in every layout: sync, rollouts, close.
+        if cfg.weight_sync.transport == "server":
+            generator = ServerGenerator(cfg, reference=trainer.sync_state(), device=device)
+        elif world is None:
             generator = ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=out)
         else:
             generator = RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)

@@ -219,8 +219,8 @@ class EvalConfig:
 class WeightSyncConfig:
     enable: bool = True
     """Push trainer weights to the generator each step (false: negative control)."""
-    transport: Literal["inplace", "nccl"] = "inplace"
-    """inplace: generator in trainer rank 0's process; nccl: generator on the last torchrun rank, own device."""
+    transport: Literal["inplace", "nccl", "server"] = "inplace"
+    """inplace: generator in trainer rank 0's process; nccl: generator on the last torchrun rank, own device; server: a rollout server (python -m torchtitan_rl.serve) at serve.host:serve.port."""
     bucket_mb: int = 512
     """Largest bucket of gathered/cast tensors in flight, in MiB."""
     verify: Literal["off", "sampled", "full"] = "sampled"
@@ -228,7 +228,29 @@ class WeightSyncConfig:
     verify_samples: int = 4
     """Tensors compared per sync when verify is sampled."""
     peer_timeout_s: float = 1800.0
-    """transport=nccl: seconds one side waits for the other (engine start, a step) before it gives up."""
+    """transport=nccl or server: seconds one side waits for the other (engine start, a step) before it gives up."""
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """The generator as an OpenAI-style HTTP server (python -m torchtitan_rl.serve); the trainer reaches it
+    with weight_sync.transport = server."""
+
+    host: str = "127.0.0.1"
+    """Address the server binds and the trainer connects to; 0.0.0.0 exposes it (the trainer then uses 127.0.0.1)."""
+    port: int = 8000
+    """HTTP port: /v1/completions, /v1/chat/completions, /v1/models, /health, /control/*."""
+    sync_port: int = 0
+    """TCP port of the weight-sync rendezvous (a torch.distributed store); 0 takes serve.port + 1."""
+    token: str = ""
+    """Shared secret the trainer sends (Authorization: Bearer) to the control endpoints; required to serve."""
+    model_name: str = "torchtitan_rl"
+    """Model name listed at /v1/models; requests naming another model get 404."""
+    max_body_mb: float = 16.0
+    """Largest request body in MiB; a larger one gets 413."""
+    max_n: int = 4096
+    """Most completions one request may ask for (n times the number of prompts); a training step asks for
+    grpo.prompts_per_step x grpo.group_size in one request."""
 
 
 @dataclass(kw_only=True)
@@ -249,6 +271,8 @@ class JobConfig:
     """Held-out evaluation on the generator that serves training."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Trainer -> generator weight sync."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """The rollout server: its address, port and shared token (the server and the trainer read the same section)."""
     batch_invariant_mode: bool = False
     """Bitwise-identical trainer and generator logprobs (both sides switch kernels)."""
     resume: bool = False

@@ -229,6 +229,8 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.weight_sync.transport == "nccl":
         _check_own_rank_generator(cfg, world_size)
         world_size -= 1  # the last rank holds the generator; the trainer has the others
+    if cfg.weight_sync.transport == "server":
+        check_serve(cfg)
     _check_degrees(cfg.trainer.parallelism, "trainer.parallelism", world_size, exact=True)
     _check_degrees(cfg.generator.parallelism, "generator.parallelism", world_size, exact=False)
 
@@ -308,6 +310,29 @@ def _check_eval(cfg: JobConfig) -> None:
     if cfg.eval.every_n_steps and effective_task(cfg).partition(":")[0] == "digits":
         # Every digit string can be drawn for training: nothing is held out.
         raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
+
+
+def check_serve(cfg: JobConfig) -> None:
+    """The serve section, for the rollout server and for a trainer that uses it (transport=server)."""
+    for name in ("serve.port", "serve.sync_port"):
+        if not 0 <= _get(cfg, name) <= 65535:
+            raise ValueError(f"{name}: must be a TCP port in [0, 65535], got {_get(cfg, name)}")
+    if cfg.serve.port == 0:
+        raise ValueError("serve.port: must be set (the trainer and clients connect to it), got 0")
+    if not cfg.serve.token:
+        raise ValueError("serve.token: set a shared secret; the trainer's control requests must carry it")
+    _positive(cfg, "serve.max_body_mb", "serve.max_n", "weight_sync.peer_timeout_s")
+    if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+        raise ValueError("model.lora.sync: 'merged' is not supported by the rollout server; use 'adapter'")
+    per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    if per_step > cfg.serve.max_n:
+        raise ValueError(f"serve.max_n: {cfg.serve.max_n} is less than the {per_step} completions a step asks for "
+                         "(grpo.prompts_per_step x grpo.group_size)")
+    if cfg.generator.parallelism.tensor_parallel_degree != 1:
+        raise ValueError(
+            "generator.parallelism.tensor_parallel_degree: the rollout server runs one engine on one device, "
+            f"so it must be 1, got {cfg.generator.parallelism.tensor_parallel_degree}"
+        )
 
 
 def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:

@@ -40,6 +40,28 @@ class Rollouts:
     weight_version: int
 
 
+def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
+    """The seed of sample ``sample`` of prompt ``prompt`` in a request seeded ``seed`` (the server uses it too)."""
+    return None if seed is None else (seed * 1_000_003 + prompt) * 1009 + sample
+
+
+def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed: int | None, logprobs: int = 0,
+                    stop: list[str] | None = None):
+    """vLLM SamplingParams of one sample, reporting the sampled token's logprob (+ ``logprobs`` top ones)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        max_tokens=s.max_tokens,
+        logprobs=logprobs,
+        stop_token_ids=stop_token_ids,
+        stop=stop,
+        seed=seed,
+    )
+
+
 class Generator:
     def __init__(
         self,
@@ -51,7 +73,10 @@ class Generator:
         device: str,
         workdir: Path,
         batch_invariant: bool = False,
+        tokenizer_dir: str | None = None,
     ) -> None:
+        """``tokenizer_dir``: an HF tokenizer folder for vLLM to detokenize with (text, stop strings); the
+        rollout server passes one, training needs none (token ids in, token ids out)."""
         self.config = config
         self.shape = shape
         self.seed = seed
@@ -83,6 +108,7 @@ class Generator:
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=int(config.kv_cache_memory_gb * (1 << 30)),
             batch_invariant=batch_invariant,
+            tokenizer=tokenizer_dir,
         )
         self.model = compat.vllm_model(self.engine)
         if config.load_format == "auto":
@@ -151,8 +177,6 @@ class Generator:
         seed: int | None = None,
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order."""
-        from vllm import SamplingParams
-
         version = self._wait_for_weights()
         s = sampling or self.config.sampling
         # One request per sample (not SamplingParams.n) so each sample has its
@@ -160,15 +184,7 @@ class Generator:
         requests = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
-                params = SamplingParams(
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    top_k=s.top_k if s.top_k > 0 else 0,
-                    max_tokens=s.max_tokens,
-                    logprobs=0,
-                    stop_token_ids=stop_token_ids,
-                    seed=None if seed is None else (seed * 1_000_003 + i) * 1009 + j,
-                )
+                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, i, j))
                 rid = f"r{self._request_counter}"
                 self._request_counter += 1
                 self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
