@@ -84,7 +84,7 @@ def run(cfg: JobConfig) -> list[dict]:
     evaluator = None
     if cfg.eval.every_n_steps:
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
-                              seed=cfg.job.seed)
+                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
@@ -125,12 +125,12 @@ def run(cfg: JobConfig) -> list[dict]:
             if cfg.weight_sync.enable or step == start:
                 sync_s = generator.sync(trainer.sync_state(), version=step)
 
-            # 2. generate; every rank gets the rollouts.
+            # 2. generate (a multi-turn task plays whole episodes); every rank gets the rollouts.
             prompts = task.sample_prompts(P, generator=prompt_rng)
             t_gen = time.perf_counter()
-            rollouts = generator.rollouts(
-                [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
-                seed=cfg.job.seed * 1_000_003 + step,
+            rollouts = task.rollouts(
+                generator, prompts, n=G, seed=cfg.job.seed * 1_000_003 + step,
+                sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
             )
             gen_s = time.perf_counter() - t_gen
             # held-out accuracy of the same weights; the training samples above are already drawn
@@ -145,7 +145,8 @@ def run(cfg: JobConfig) -> list[dict]:
 
             # 5. this rank's rows; the trainer recomputes their logprobs
             tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
-                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id
+                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id,
+                loss_mask=rollouts.loss_mask,
             )
             # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
             per_rank = P * G // trainer.dp_size

@@ -158,7 +158,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class GRPOConfig:
     task: str = "digits"
-    """Task: digits[:mode] (own 16-token tokenizer), math, dataset, or 'package.module:factory' (README)."""
+    """Task: digits[:mode] (own 16-token tokenizer), math, calculator (multi-turn, a tool), dataset, or 'package.module:factory' (README)."""
     task_without_checkpoint: str | None = None
     """Task run instead of grpo.task when model.hf_checkpoint is unset: random weights, a timing harness that learns nothing (e.g. digits, whose ids fit any vocabulary)."""
     prompts_per_step: int = 16
@@ -190,7 +190,9 @@ class TaskConfig:
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     """math: levels drawn uniformly, repeats weigh more (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
     heldout_size: int = 500
-    """math: problems in the fixed held-out set (never drawn for training)."""
+    """math, calculator: problems in the fixed held-out set (never drawn for training)."""
+    max_turns: int = 4
+    """calculator: turns per episode (tool calls answered + 1)."""
     path: str | None = None
     """dataset: JSONL or Parquet file of problems (one object / row each)."""
     heldout_path: str | None = None

@@ -283,10 +283,11 @@ def _check_task(cfg: JobConfig) -> None:
     _at_least(cfg, 0, "task.format_reward_weight")
     _positive(cfg, "task.heldout_size")
     _in_range(cfg, "task.heldout_fraction", 0, 1, "[0, 1)")
+    _positive(cfg, "task.max_turns")
     bad = [level for level in task.levels if not 1 <= level <= 5]
     if bad or not task.levels:
         raise ValueError(f"task.levels: each must be in 1..5, got {list(task.levels)}")
-    if name in ("math", "dataset") and tokenizer_dir(cfg) is None:
+    if name in ("math", "calculator", "dataset") and tokenizer_dir(cfg) is None:
         raise ValueError(
             f"task.tokenizer: grpo.task '{name}' renders prompts with a chat template; set task.tokenizer "
             "or model.hf_checkpoint to a folder with tokenizer.json"

@@ -36,8 +36,10 @@ class Rollouts:
     """One entry per completion (prompts repeated n times, group-contiguous)."""
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
-    """Generator logprob of each sampled token (after temperature)."""
+    """Generator logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
     weight_version: int
+    loss_mask: list[list[int]] | None = None
+    """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
 
 
 def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
@@ -204,3 +206,6 @@ class Generator:
             completions.append(ids)
             logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
         return Rollouts(prompt_ids, completions, logprobs, version)
+
+    rollouts = generate
+    """The layouts' name for it (sync / rollouts / close): a one-process caller can use a Generator directly."""
