@@ -292,3 +292,13 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
     trainer.sync(native_state(trainer_model(seed=5)), version=31)
     status, _, body = _complete(server)
     assert status == 200 and body["weight_version"] == 31, body
+
+
+def test_serve_without_a_token_is_one_line_and_exit_2():
+    from tests.helpers import assert_one_line_error, run_module
+
+    proc = run_module("torchtitan_rl.serve", "--config", str(CPU_TINY))
+    assert_one_line_error(proc, "serve.token", prefix="torchtitan_rl: error: ")
+    proc = run_module("torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--weight_sync.transport", "server",
+                      "--serve.token", "x", "--serve.max_n", "8")
+    assert_one_line_error(proc, "serve.max_n")

@@ -26,7 +26,7 @@ def pack_rollouts(
     for b, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, generator_logprobs)):
         assert len(c) == len(lp), "one generator logprob per completion token"
         tokens_BL[b, : len(p) + len(c)] = torch.tensor(p + c)
-        mask_BL[b, len(p) : len(p) + len(c)] = 1 if loss_mask is None else torch.tensor(loss_mask[b], dtype=torch.float)
+        mask_BL[b, len(p) : len(p) + len(c)] = 1 if loss_mask is None else torch.tensor(loss_mask[b]).float()
         gen_BL[b, len(p) : len(p) + len(c)] = torch.tensor(lp)
     return tokens_BL, mask_BL, gen_BL
 
