@@ -219,11 +219,15 @@ def test_waits_for_a_dead_peer_end_with_a_clear_error():
 
 
 def test_nccl_heldout_evaluation_runs_on_the_generator_rank(tmp_path, smollm2_dir):
-    # The greedy SamplingConfig travels in the generate message to the generator rank.
+    # The greedy SamplingConfig travels in the generate message to the generator rank. Asynchronous: each
+    # evaluation is asked for while the next step's training request is in flight, and is answered after it.
     chat = {"grpo.task": "math", "task.tokenizer": smollm2_dir, "task.heldout_size": 4, "grpo.prompts_per_step": 2,
             "grpo.group_size": 2, "model.max_seq_len": 128, "generator.max_model_len": 128,
-            "generator.sampling.max_tokens": 4, "trainer.steps": 2, "eval.every_n_steps": 1}
+            "generator.sampling.max_tokens": 4, "trainer.steps": 2, "eval.every_n_steps": 1, "grpo.max_staleness": 1}
     _torchrun(2, tmp_path, *_args(chat), "--weight_sync.transport", "nccl")
-    evals = [r for r in _records(tmp_path) if "eval_accuracy" in r]
+    records = _records(tmp_path)
+    evals = [r for r in records if "eval_accuracy" in r]
+    # Each evaluation sees the weights synced at its step (newer than the step's batch, version 0 at step 1).
     assert [(r["step"], r["eval_weight_version"], r["eval_prompts"]) for r in evals] == [(0, 0, 4), (1, 1, 4), (2, 2, 4)]
+    assert [r["weight_version"] for r in records if "eval_accuracy" not in r] == [0, 0]
     assert all(r["eval_completion_tokens"] <= 4 for r in evals)

@@ -50,7 +50,7 @@ class TrainBatch:
     loss_mask_BL: torch.Tensor
     """1 where tokens_BL[:, t] is a scored completion token; column 0 is always 0."""
     old_logprobs_BL: torch.Tensor
-    """float32 generator logprob of tokens_BL[:, t] at scored positions, 0 elsewhere."""
+    """float32 log pi_old of tokens_BL[:, t] (the ratio's reference: the trainer's recompute) at scored positions, 0 elsewhere."""
     advantages_B: torch.Tensor
     """float32 advantage of each sequence."""
     ref_logprobs_BL: torch.Tensor | None = None
