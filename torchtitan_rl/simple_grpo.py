@@ -130,8 +130,8 @@ def run(cfg: JobConfig) -> list[dict]:
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()
-            # 1. sync: the generator serves the trainer's current weights (negative
-            #    control: only the first sync, so the generator keeps step-0 weights).
+            # 1. sync: the generator serves the trainer's current weights to the requests made from
+            #    now on (negative control: only the first sync, so it keeps step-0 weights).
             sync_s = 0.0
             if cfg.weight_sync.enable or step == start:
                 sync_s = generator.sync(trainer.sync_state(), version=step)
@@ -151,7 +151,7 @@ def run(cfg: JobConfig) -> list[dict]:
             wait_s = time.perf_counter() - t_step - sync_s  # what of phases 1-2 was not moving weights
             staleness = step - rollouts.weight_version  # > S only in the no-sync control
             assert staleness <= S or not cfg.weight_sync.enable, (step, rollouts.weight_version, S)
-            # held-out accuracy of the same weights; the training samples above are already drawn
+            # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step, first=start):
                 logger.log_eval(step, evaluator.run(generator, step=step))
 
