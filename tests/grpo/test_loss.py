@@ -189,7 +189,8 @@ def test_importance_weights_truncate_or_mask_at_the_cap():
 def test_weights_of_one_leave_the_loss_bitwise_unchanged_and_scale_it_per_token():
     logprobs_BT, old_BT, advantages_B, mask_BT = _ragged_batch(seed=3)
     results = {}
-    for name, weights_BT in {"none": None, "ones": torch.ones_like(old_BT), "half": torch.full_like(old_BT, 0.5)}.items():
+    cases = {"none": None, "ones": torch.ones_like(old_BT), "half": torch.full_like(old_BT, 0.5)}
+    for name, weights_BT in cases.items():
         lp_BT = logprobs_BT.clone().requires_grad_()
         loss, _ = grpo_loss(lp_BT, old_BT, advantages_B, mask_BT, **CLIP, is_weights_BT=weights_BT)
         loss.backward()

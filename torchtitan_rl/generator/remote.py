@@ -17,11 +17,11 @@ group of NcclSender/NcclReceiver. The generator answers in order, so a
 "generate" posted before a "sync" is served with the weights before it:
 ``submit`` posts and returns, and the trainer trains while the generator
 works (grpo.max_staleness); ``sync`` first collects the replies still
-owed, since the generator reaches the sync only after them. The generator needs no task and no prompt
-RNG: each request carries its prompts and seed, so a resumed trainer (RNG
-state from the checkpoint) drives it unchanged. Every wait that only a crash
-on the other side could make endless gives up after
-``weight_sync.peer_timeout_s`` with a RuntimeError.
+owed, since the generator reaches the sync only after them. The generator
+needs no task and no prompt RNG: each request carries its prompts and seed,
+so a resumed trainer (RNG state from the checkpoint) drives it unchanged.
+Every wait that only a crash on the other side could make endless gives up
+after ``weight_sync.peer_timeout_s`` with a RuntimeError.
 """
 
 import faulthandler
