@@ -173,6 +173,12 @@ class GRPOConfig:
     """Weight of the k3 KL penalty to a frozen reference model; 0 disables it."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """group_std: (r - mean) / std per group; none: r - mean only."""
+    max_staleness: int = 0
+    """Steps the generator may run ahead: step k may train on rollouts sampled with the weights of step k - max_staleness, generated while the trainer learns (0: generate, then train, on the same weights)."""
+    importance_correction: Literal["off", "truncate", "mask"] = "off"
+    """Per-token weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator: truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
+    importance_cap: float = 2.0
+    """The cap C of grpo.importance_correction (> 1)."""
 
 
 @dataclass(kw_only=True)

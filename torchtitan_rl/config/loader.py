@@ -183,6 +183,9 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _at_least(cfg, 0, "trainer.optimizer.weight_decay", "grpo.kl_coef")
     _at_least(cfg, 0, "generator.sampling.temperature", "generator.wait_for_weights_s")
     _at_least(cfg, 2, "grpo.group_size")
+    _at_least(cfg, 0, "grpo.max_staleness")
+    if not cfg.grpo.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
+        raise ValueError(f"grpo.importance_cap: must be > 1, got {cfg.grpo.importance_cap}")
     _at_least(cfg, 0, "model.lora.rank")
     _in_range(cfg, "model.lora.dropout", 0, 1, "[0, 1)")
     if cfg.model.lora.rank and cfg.model.lora.alpha <= 0:

@@ -8,6 +8,7 @@ batch of rollouts records the weight version it was sampled with.
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,10 @@ class Rollouts:
     logprobs: list[list[float]]
     """Generator logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
     weight_version: int
+    generate_s: float = 0.0
+    """Seconds the engine spent on this batch."""
+    idle_s: float = 0.0
+    """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
     loss_mask: list[list[int]] | None = None
     """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
 
@@ -85,6 +90,10 @@ class Generator:
         self._cond = threading.Condition()
         self._version: int | None = None
         self._syncing = False
+        self._idle_since: float | None = None
+        """When the engine last finished a batch or a sync; None while busy (and before the first sync)."""
+        self._idle_s = 0.0
+        """Idle seconds since the last batch, reported with the next."""
 
         if config.load_format == "auto":
             model_dir = model_config.hf_checkpoint
@@ -131,8 +140,17 @@ class Generator:
         return self._version
 
     # -- called by the weight sync ------------------------------------------
+    def _busy(self) -> None:
+        if self._idle_since is not None:
+            self._idle_s += time.perf_counter() - self._idle_since
+            self._idle_since = None
+
+    def _idle(self) -> None:
+        self._idle_since = time.perf_counter()
+
     def begin_sync(self) -> None:
         with self._cond:
+            self._busy()
             self._syncing = True
 
     def abort_sync(self) -> None:
@@ -140,6 +158,7 @@ class Generator:
         with self._cond:
             self._syncing = False
             self._version = None
+            self._idle()
             self._cond.notify_all()
 
     def finish_sync(self, version: int) -> None:
@@ -148,6 +167,7 @@ class Generator:
         with self._cond:
             self._syncing = False
             self._version = version
+            self._idle()
             self._cond.notify_all()
 
     # -- rollouts -------------------------------------------------------------
@@ -180,6 +200,9 @@ class Generator:
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order."""
         version = self._wait_for_weights()
+        started = time.perf_counter()
+        with self._cond:
+            self._busy()
         s = sampling or self.config.sampling
         # One request per sample (not SamplingParams.n) so each sample has its
         # own seed and the output order is ours to fix: group-contiguous.
@@ -197,6 +220,9 @@ class Generator:
                 if out.finished:
                     finished[out.request_id] = out.outputs[0]
         assert self._version == version, "weights changed during generation"
+        with self._cond:
+            idle_s, self._idle_s = self._idle_s, 0.0
+            self._idle()
 
         prompt_ids, completions, logprobs = [], [], []
         for rid, prompt in requests:
@@ -205,7 +231,13 @@ class Generator:
             prompt_ids.append(list(prompt))
             completions.append(ids)
             logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
-        return Rollouts(prompt_ids, completions, logprobs, version)
+        return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
 
+    # The loop's interface (generator/base.py), so that a one-process caller can use a Generator directly.
     rollouts = generate
-    """The layouts' name for it (sync / rollouts / close): a one-process caller can use a Generator directly."""
+
+    def submit(self, prompts: list[list[int]], **generate_kwargs):
+        """Generate now; a Pending of generator/base.py."""
+        from torchtitan_rl.generator.base import Done
+
+        return Done(self.generate(prompts, **generate_kwargs))

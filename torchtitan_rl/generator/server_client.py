@@ -1,15 +1,17 @@
 """The trainer's view of a rollout server (weight_sync.transport = "server").
 
-The loop sees the same three calls as for the other layouts: ``sync`` (the
-weights over the own-rank layout's NcclSender, to the server's session),
-``rollouts`` (one POST /v1/completions with token-id prompts, the token ids
-and logprobs come back) and ``close``. Every trainer rank calls each method
+The loop sees the interface of generator/base.py: ``sync`` (the weights over
+the own-rank layout's NcclSender, to the server's session), ``submit`` /
+``result`` (one POST /v1/completions with token-id prompts, sent from a
+background thread so that it overlaps training; the token ids and logprobs
+come back) and ``close``. Every trainer rank calls each method
 together: trainer rank 0 talks HTTP and broadcasts the rollouts; every rank
 joins the store (the sender's plan and headers) and the gathers of a sync.
 """
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 
@@ -90,18 +92,41 @@ class ServerGenerator:
             pair = pair_group(dist.PrefixStore("pair", store), rank=0, device=device, timeout_s=timeout_s)
         world = World("trainer", self.rank, dist.get_world_size(), device, store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")
+        """Trainer rank 0: the HTTP requests in flight (grpo.max_staleness of them at most, plus an evaluation)."""
+        self.inflight: list[_Request] = []
 
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
-        """Send ``state`` to the server, which then serves ``version``; seconds taken."""
+        """Send ``state`` to the server, which serves ``version`` to the requests submitted after this;
+        seconds the transfer took, once the requests submitted before have been answered (the server would
+        otherwise admit a late one after the sync)."""
+        if self.rank == 0:
+            for request in self.inflight:
+                request.reply.exception()  # waits; an error is raised by its result()
+        self.inflight = []
         return self.sender.sync(state, version=version).seconds
 
-    def rollouts(self, prompts: list[list[int]], *, n: int = 1, sampling: SamplingConfig | None = None,
-                 stop_token_ids: list[int] | None = None, seed: int | None = None) -> Rollouts:
+    def submit(self, prompts: list[list[int]], *, n: int = 1, sampling: SamplingConfig | None = None,
+               stop_token_ids: list[int] | None = None, seed: int | None = None) -> "_Request":
+        """POST the request from a background thread (trainer rank 0) and return at once."""
+        reply = None
+        if self.rank == 0:
+            s = sampling or self.cfg.generator.sampling
+            reply = self.pool.submit(self._complete, prompts, n, s, stop_token_ids, seed)
+        request = _Request(self, reply)
+        self.inflight.append(request)
+        return request
+
+    def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
         """``n`` completions per prompt, group-contiguous, with token ids, logprobs and the weight version."""
+        return self.submit(prompts, **generate_kwargs).result()
+
+    def _take(self, reply) -> Rollouts:
+        """The rollouts on every trainer rank (collective); an HTTP error is raised on every rank."""
         payload = [None]
         if self.rank == 0:
             try:
-                payload = [self._complete(prompts, n, sampling or self.cfg.generator.sampling, stop_token_ids, seed)]
+                payload = [reply.result()]
             except Exception as e:  # the other ranks raise it too, rather than wait in the broadcast
                 payload = [e]
         if dist.get_world_size() > 1:
@@ -111,6 +136,7 @@ class ServerGenerator:
         return payload[0]
 
     def _complete(self, prompts, n, s: SamplingConfig, stop_token_ids, seed) -> Rollouts:
+        started = time.perf_counter()
         reply = self.client.request("POST", "/v1/completions", {
             "model": self.cfg.serve.model_name, "prompt": [list(p) for p in prompts], "n": n,
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
@@ -123,15 +149,30 @@ class ServerGenerator:
             completion_ids=[c["token_ids"] for c in choices],
             logprobs=[c["logprobs"]["token_logprobs"] for c in choices],
             weight_version=reply["weight_version"],
+            generate_s=time.perf_counter() - started,  # the request's wall time: the server's engine time is not sent
         )
 
     def close(self) -> None:
         """End the sync session; the server keeps serving the last version for other clients."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
         if self.rank == 0:
             try:
                 self.client.request("POST", "/control/disconnect", {})
             except (ServerError, OSError):
                 pass  # the server is gone already: nothing to end
+
+
+class _Request:
+    """A request in flight (a Pending of generator/base.py); its result() is collective."""
+
+    def __init__(self, client: ServerGenerator, reply) -> None:
+        self.client, self.reply = client, reply
+        self.rollouts: Rollouts | None = None
+
+    def result(self) -> Rollouts:
+        if self.rollouts is None:
+            self.rollouts = self.client._take(self.reply)
+        return self.rollouts
 
 
 def _seconds(s: float):

@@ -1,6 +1,6 @@
 """Multi-turn episodes: the policy calls a tool, the tool's answer comes back, the policy goes on.
 
-A ``ToolTask`` is a chat task plus a tool. ``rollouts`` plays its episodes
+A ``ToolTask`` is a task plus a tool. ``submit`` plays its episodes
 through any generator (in process, own rank, or the rollout server; it only
 calls ``generator.rollouts``):
 
@@ -62,14 +62,17 @@ class ToolTask(Task):
         """The first complete tool call in a turn's ``text``: (index just past its end, the tool's
         output to append); None if the turn makes no call."""
 
-    def rollouts(self, generator, prompts: list[Prompt], *, n: int, seed: int | None,
-                 sampling: SamplingConfig, max_total_tokens: int):
+    def submit(self, generator, prompts: list[Prompt], *, n: int, seed: int | None,
+               sampling: SamplingConfig, max_total_tokens: int):
         """``n`` episodes per prompt, group-contiguous, as one Rollouts with a loss mask; at most
-        ``max_total_tokens`` (prompt + completion) per episode."""
+        ``max_total_tokens`` (prompt + completion) per episode. Played now, turn after turn (each turn needs
+        the last one's tokens), so with grpo.max_staleness > 0 they are as old as a single turn would be but
+        do not overlap training."""
+        from torchtitan_rl.generator.base import Done
         from torchtitan_rl.generator.generator import Rollouts
 
         episodes = [_Episode(list(p.token_ids)) for p in prompts for _ in range(n)]
-        version = None
+        version, generate_s, idle_s = None, 0.0, None
         for turn in range(self.max_turns):
             live = [e for e in episodes if not e.done]
             if not live:
@@ -84,14 +87,16 @@ class ToolTask(Task):
                                        seed=None if seed is None else seed * TURN_SEED + turn, sampling=s)
             assert version is None or r.weight_version == version, "an episode spans two weight versions"
             version = r.weight_version
+            generate_s += r.generate_s
+            idle_s = r.idle_s if idle_s is None else idle_s
             for e, ids, lps in zip(live, r.completion_ids, r.logprobs):
                 self._extend(e, ids, lps, last_turn=turn == self.max_turns - 1,
                              room=max_total_tokens - len(e.prompt))
-        return Rollouts(
+        return Done(Rollouts(
             prompt_ids=[e.prompt for e in episodes], completion_ids=[e.tokens for e in episodes],
-            logprobs=[e.logprobs for e in episodes], weight_version=version,
-            loss_mask=[e.mask for e in episodes],
-        )
+            logprobs=[e.logprobs for e in episodes], weight_version=version, generate_s=generate_s,
+            idle_s=idle_s or 0.0, loss_mask=[e.mask for e in episodes],
+        ))
 
     def _extend(self, e: _Episode, ids: list[int], lps: list[float], *, last_turn: bool, room: int) -> None:
         """Append one turn (cut after its first tool call) and the tool's answer."""
