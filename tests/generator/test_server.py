@@ -264,6 +264,16 @@ def test_grpo_loop_learns_through_the_server(server):
     assert first < 0.15 and last > 0.3 and last > first + 0.2, (first, last)
 
 
+def test_asynchronous_loop_through_the_server_samples_each_batch_one_version_behind(server):
+    from torchtitan_rl import simple_grpo
+
+    cfg = _config(server.serve.port, server.serve.sync_port, Path(server.job.output_dir) / "async")
+    cfg.trainer.steps, cfg.grpo.max_staleness, cfg.grpo.importance_correction = 5, 1, "truncate"
+    history = simple_grpo.run(cfg)
+    assert [r["weight_version"] for r in history] == [0, 0, 1, 2, 3]
+    assert [r["staleness"] for r in history] == [0, 1, 1, 1, 1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("die_after, serves", [(1, "previous"), (5, "nothing")])
 def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_a_mix(server, die_after, serves):
