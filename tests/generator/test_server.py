@@ -312,3 +312,43 @@ def test_serve_without_a_token_is_one_line_and_exit_2():
     proc = run_module("torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--weight_sync.transport", "server",
                       "--serve.token", "x", "--serve.max_n", "8")
     assert_one_line_error(proc, "serve.max_n")
+
+
+@pytest.mark.slow
+def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_path):
+    """A standalone server on SmolLM2's own weights (generator.load_format auto: version 0, no trainer)."""
+    from transformers import AutoTokenizer
+
+    cfg = _config(free_port(), free_port(), tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(REPO / "run_configs" / "smollm2_135m_math_cpu.toml"),
+         "--model.hf_checkpoint", str(smollm2_dir), "--generator.load_format", "auto",
+         "--job.output_dir", str(tmp_path), "--serve.port", str(cfg.serve.port),
+         "--serve.sync_port", str(cfg.serve.sync_port), "--serve.token", TOKEN],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        from torchtitan_rl.generator.server_client import ServerClient
+
+        ServerClient(f"http://127.0.0.1:{cfg.serve.port}").wait_ready(180)
+        messages = [{"role": "user", "content": "What is 2 + 3? Reply with the number only."}]
+        status, headers, body = _request(cfg, "POST", "/v1/chat/completions", {
+            "model": "torchtitan_rl", "messages": messages, "max_tokens": 12, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "return_token_ids": True,
+        })
+        assert status == 200, body
+        choice = body["choices"][0]
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert choice["prompt_token_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+        assert "5" in choice["message"]["content"]
+        assert [t["token"] for t in choice["logprobs"]["content"]] == tokenizer.convert_ids_to_tokens(choice["token_ids"])
+        assert all(len(t["top_logprobs"]) == 2 for t in choice["logprobs"]["content"])
+        assert body["weight_version"] == 0 and headers["x-weight-version"] == "0"  # the checkpoint's own weights
+        # A stop string ends the text before it (vLLM detokenizes with the checkpoint's tokenizer).
+        status, _, body = _complete(cfg, prompt="Count: 1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
+        assert status == 200 and " 6" not in body["choices"][0]["text"], body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
