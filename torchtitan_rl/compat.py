@@ -40,9 +40,11 @@ def build_llm_engine(
     gpu_memory_utilization: float,
     kv_cache_memory_bytes: int,
     batch_invariant: bool,
+    tokenizer: str | None = None,
     **engine_kwargs,
 ):
-    """An in-process ``LLMEngine`` whose model object this process can touch."""
+    """An in-process ``LLMEngine`` whose model object this process can touch; without ``tokenizer`` (a folder)
+    it takes and returns token ids only."""
     # The engine core must run in this process for the sync to write its tensors.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's INFO lines (per-interval throughput, cache resets) drown the progress bar.
@@ -59,8 +61,11 @@ def build_llm_engine(
     register()
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = dict(
-        engine_kwargs, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", disable_log_stats=True
+        engine_kwargs, skip_tokenizer_init=tokenizer is None, logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
     )
+    if tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
     if device == "cpu":
         # vLLM's CPU backend sizes its KV cache from an explicit byte budget.
         if "kv_cache_memory_bytes" in fields:

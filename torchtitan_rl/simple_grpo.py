@@ -5,12 +5,18 @@ loss + optimizer step -> log. Every rank runs this file (torchrun for more
 than one). Where the vLLM generator runs is weight_sync.transport:
 "inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
 the last torchrun rank, its own device (generator/remote.py), the other
-ranks train. The step body is the same for both. Heavy imports stay inside
-``run`` so that --help and config errors are instant.
+ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
+HTTP (generator/server_client.py). The step body is the same for all three
+(generator/base.py is all it knows of them). With grpo.max_staleness = S > 0
+the rollouts of step k are requested S steps early, right after that step's
+sync, so the generator samples them while the trainer learns; each batch is
+then up to S weight versions old. Heavy imports stay inside ``run`` so that
+--help and config errors are instant.
 """
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 from torchtitan_rl.cli import one_line_errors
@@ -45,10 +51,13 @@ def run(cfg: JobConfig) -> list[dict]:
     from tqdm import tqdm
 
     from torchtitan_rl.config import validate
+    from torchtitan_rl.generator.base import Done, RolloutGenerator
     from torchtitan_rl.generator.colocated import ColocatedGenerator
     from torchtitan_rl.generator.remote import RemoteGenerator, serve
+    from torchtitan_rl.generator.server_client import ServerGenerator
     from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
+    from torchtitan_rl.grpo.loss import importance_weights
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.trainer import Trainer
@@ -82,7 +91,7 @@ def run(cfg: JobConfig) -> list[dict]:
     evaluator = None
     if cfg.eval.every_n_steps:
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
-                              seed=cfg.job.seed)
+                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
@@ -93,43 +102,60 @@ def run(cfg: JobConfig) -> list[dict]:
         )
     if rank == 0:
         write_toml(cfg, out / "config.toml")
-    generator = None
+    generator: RolloutGenerator | None = None
     try:
-        # The generator as the loop sees it, in either layout: sync, rollouts, close.
-        if world is None:
+        # The generator as the loop sees it, in every layout: sync, submit/rollouts, close.
+        if cfg.weight_sync.transport == "server":
+            generator = ServerGenerator(cfg, reference=trainer.sync_state(), device=device)
+        elif world is None:
             generator = ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=out)
         else:
             generator = RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
         prompt_rng = random.Random(cfg.job.seed)
         start = 0
+        queued = []  # (step, prompts, Rollouts) a checkpoint saved: requested before it, not trained on yet
         if cfg.resume:
             extra = trainer.load_latest_checkpoint()
             if extra is not None:
                 prompt_rng.setstate(_tuples(extra["prompt_rng"]))
                 task.load_state_dict(extra.get("task", {}))  # a dataset's place in its epoch
                 start = trainer.step
+                queued = extra.get("queued", [])
+                _check_queued(cfg, queued)
 
+        # Requests in flight, oldest first: (step, prompts, Pending). Prompts and seeds are drawn in
+        # step order, so step k trains on the same prompts whatever grpo.max_staleness.
+        S = cfg.grpo.max_staleness
+        inflight = deque((j, prompts, Done(r)) for j, prompts, r in queued)
+        requested = start + len(inflight)  # the next step to request rollouts for
         temperature = cfg.generator.sampling.temperature
         logger = MetricsLogger(out, enabled=rank == 0)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()
-            # 1. sync: the generator serves the trainer's current weights (negative
-            #    control: only the first sync, so the generator keeps step-0 weights).
+            # 1. sync: the generator serves the trainer's current weights to the requests made from
+            #    now on (negative control: only the first sync, so it keeps step-0 weights).
             sync_s = 0.0
             if cfg.weight_sync.enable or step == start:
                 sync_s = generator.sync(trainer.sync_state(), version=step)
 
-            # 2. generate; every rank gets the rollouts.
-            prompts = task.sample_prompts(P, generator=prompt_rng)
-            t_gen = time.perf_counter()
-            rollouts = generator.rollouts(
-                [p.token_ids for p in prompts], n=G, stop_token_ids=[task.eos_id],
-                seed=cfg.job.seed * 1_000_003 + step,
-            )
-            gen_s = time.perf_counter() - t_gen
-            # held-out accuracy of the same weights; the training samples above are already drawn
+            # 2. generate: request rollouts up to S steps ahead (the generator serves them with the
+            #    weights just synced, while the trainer learns), then take this step's, requested
+            #    S steps ago (S = 0: just now). Every rank gets the rollouts.
+            while requested <= min(step + S, cfg.trainer.steps - 1):
+                ask = task.sample_prompts(P, generator=prompt_rng)
+                inflight.append((requested, ask, task.submit(  # a multi-turn task plays whole episodes
+                    generator, ask, n=G, seed=cfg.job.seed * 1_000_003 + requested,
+                    sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
+                )))
+                requested += 1
+            _, prompts, pending = inflight.popleft()
+            rollouts = pending.result()
+            wait_s = time.perf_counter() - t_step - sync_s  # what of phases 1-2 was not moving weights
+            staleness = step - rollouts.weight_version  # > S only in the no-sync control
+            assert staleness <= S or not cfg.weight_sync.enable, (step, rollouts.weight_version, S)
+            # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step, first=start):
                 logger.log_eval(step, evaluator.run(generator, step=step))
 
@@ -141,15 +167,22 @@ def run(cfg: JobConfig) -> list[dict]:
 
             # 5. this rank's rows; the trainer recomputes their logprobs
             tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
-                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id
+                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id,
+                loss_mask=rollouts.loss_mask,
             )
             # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
             per_rank = P * G // trainer.dp_size
             rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
             trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature, mask_BL=mask_BL[rows]).cpu()
-            mismatch = _reduce_mismatch(
+            mismatch = _reduce_token_stats(
                 logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
             )
+            # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
+            is_weights_BL, is_stats = importance_weights(
+                trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows],
+                mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
+            )
+            is_stats = _reduce_token_stats(is_stats, mask_BL[rows], device)
             ref_lp_BL = (
                 reference.token_logprobs(tokens_BL[rows], temperature=temperature, mask_BL=mask_BL[rows]).cpu()
                 if reference else None
@@ -158,15 +191,19 @@ def run(cfg: JobConfig) -> list[dict]:
             # 6. clipped policy-gradient step
             t_train = time.perf_counter()
             metrics = trainer.train_step(
-                TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL),
+                TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL,
+                           is_weights_BL),
                 temperature=temperature, grpo=cfg.grpo,
             )
             train_s = time.perf_counter() - t_train
 
             if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
-                trainer.save_checkpoint(
-                    step + 1, extra={"prompt_rng": prompt_rng.getstate(), "task": task.state_dict()}
-                )
+                # Rollouts requested for later steps go with it (waited for): the weights they were
+                # sampled with are gone, so they could not be drawn again.
+                queued = [(j, prompts_j, pending_j.result()) for j, prompts_j, pending_j in inflight]
+                trainer.save_checkpoint(step + 1, extra={
+                    "prompt_rng": prompt_rng.getstate(), "task": task.state_dict(), "queued": queued,
+                })
 
             # 7. log
             completion_tokens = sum(len(c) for c in rollouts.completion_ids)
@@ -175,10 +212,14 @@ def run(cfg: JobConfig) -> list[dict]:
                 "reward_max": rewards_B.max().item(),
                 **metrics,
                 **mismatch,
+                **is_stats,
                 "weight_version": rollouts.weight_version,
-                "gen_tokens_per_s": completion_tokens / max(gen_s, 1e-9),
+                "staleness": staleness,
+                "gen_tokens_per_s": completion_tokens / max(rollouts.generate_s, 1e-9),
                 "sync_s": sync_s,
-                "generate_s": gen_s,
+                "generate_s": rollouts.generate_s,
+                "wait_rollouts_s": wait_s,
+                "generator_idle_s": rollouts.idle_s,
                 "train_s": train_s,
                 "step_s": time.perf_counter() - t_step,
             }
@@ -271,26 +312,36 @@ def run_device(name: str):
     return torch.device(name)
 
 
-def _reduce_mismatch(local: dict[str, float], mask_BL, device) -> dict[str, float]:
-    """Mean/max/fraction over all ranks' tokens (each rank saw its own rows)."""
+def _reduce_token_stats(local: dict[str, float], mask_BL, device) -> dict[str, float]:
+    """Per-token statistics of this rank's rows over all ranks' tokens: keys ending in _max by max,
+    the others (means, fractions) weighted by each rank's token count."""
     import torch
     import torch.distributed as dist
 
     if dist.get_world_size() == 1:
         return local
     n = mask_BL.sum().item()
-    sums = torch.tensor(
-        [local["mismatch_mean"] * n, local["mismatch_frac_tokens"] * n, n], dtype=torch.float64, device=device
-    )
-    peak = torch.tensor([local["mismatch_max"]], dtype=torch.float64, device=device)
+    means = [k for k in local if not k.endswith("_max")]
+    peaks = [k for k in local if k.endswith("_max")]
+    sums = torch.tensor([local[k] * n for k in means] + [n], dtype=torch.float64, device=device)
+    peak = torch.tensor([local[k] for k in peaks], dtype=torch.float64, device=device)
     dist.all_reduce(sums)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    total = max(sums[2].item(), 1.0)
-    return {
-        "mismatch_mean": sums[0].item() / total,
-        "mismatch_max": peak.item(),
-        "mismatch_frac_tokens": sums[1].item() / total,
-    }
+    total = max(sums[-1].item(), 1.0)
+    reduced = {**{k: s / total for k, s in zip(means, sums.tolist())}, **dict(zip(peaks, peak.tolist()))}
+    return {k: reduced[k] for k in local}  # the caller's key order
+
+
+def _check_queued(cfg: JobConfig, queued: list) -> None:
+    """Rollouts a checkpoint queued must fit this run's staleness bound (they cannot be drawn again)."""
+    S = cfg.grpo.max_staleness
+    too_old = [(j, r.weight_version) for j, _, r in queued if j - r.weight_version > S]
+    if too_old and cfg.weight_sync.enable:
+        raise ValueError(
+            f"grpo.max_staleness: the checkpoint holds rollouts for steps {[j for j, _ in too_old]} sampled with "
+            f"weight versions {[v for _, v in too_old]}, older than max_staleness {S} allows; resume with the "
+            "grpo.max_staleness the run was saved with"
+        )
 
 
 def _tuples(state):

@@ -126,6 +126,8 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--trainer.micro_batch_size", "0"], 1, "trainer.micro_batch_size: must be >= 1"),
         (["--grpo.clip_eps_high", "1.0"], 1, "grpo.clip_eps_high: must be in [0, 1)"),
         (["--grpo.clip_eps_low", "-0.1"], 1, "grpo.clip_eps_low: must be in [0, 1)"),
+        (["--grpo.max_staleness", "-1"], 1, "grpo.max_staleness: must be >= 0"),
+        (["--grpo.importance_cap", "1"], 1, "grpo.importance_cap: must be > 1"),
         (["--generator.sampling.top_p", "0"], 1, "generator.sampling.top_p: must be in (0, 1]"),
         (["--generator.gpu_memory_utilization", "1.5"], 1, "generator.gpu_memory_utilization"),
         (["--generator.sampling.max_tokens", "64"], 1, "generator.sampling.max_tokens: 64"),

@@ -92,3 +92,17 @@ def test_generate_during_a_sync_waits_for_it_even_without_a_wait_budget(unsynced
     rollouts = unsynced.generate(PROMPTS, n=1, seed=2)
     assert time.monotonic() - started >= 0.4
     assert rollouts.weight_version == version + 1
+
+
+def test_rollouts_report_engine_time_and_the_idle_time_before_them(unsynced):
+    unsynced.generate(PROMPTS, n=1, seed=3)
+    time.sleep(0.5)  # nothing to do
+    idle = unsynced.generate(PROMPTS, n=1, seed=3)
+    version = unsynced.weight_version
+    unsynced.begin_sync()
+    time.sleep(0.5)  # applying a sync is work, not idleness
+    unsynced.finish_sync(version)
+    after_sync = unsynced.generate(PROMPTS, n=1, seed=3)
+    assert idle.idle_s >= 0.5 and idle.generate_s > 0
+    # Only the moments around the sync call count (microseconds; the bound is the sync's 0.5 s).
+    assert after_sync.idle_s < 0.5, after_sync.idle_s

@@ -149,3 +149,16 @@ def test_user_errors_name_the_field(make_trainer):
         )
     with pytest.raises(ValueError, match="temperature"):
         trainer.token_logprobs(make_batch(seed=11).tokens_BL, temperature=0.0)
+
+
+def test_importance_weights_reach_the_loss(make_trainer):
+    batch = make_batch(seed=12)
+    plain = make_trainer(max_grad_norm=0.0).train_step(batch, temperature=1.0, grpo=GRPO)
+    halved = make_trainer(max_grad_norm=0.0).train_step(
+        dataclasses.replace(batch, is_weights_BL=torch.full_like(batch.old_logprobs_BL, 0.5)),
+        temperature=1.0, grpo=GRPO,
+    )
+    # Same seed, same forward: halving every token's term is exact in binary floating point, in the loss
+    # and in each bf16 gradient, so the norm halves bit for bit too.
+    assert halved["loss"] == plain["loss"] / 2
+    assert halved["grad_norm"] == plain["grad_norm"] / 2

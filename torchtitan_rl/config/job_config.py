@@ -166,7 +166,7 @@ class GeneratorConfig:
 @dataclass(kw_only=True)
 class GRPOConfig:
     task: str = "digits"
-    """Task: digits[:mode] (own 16-token tokenizer), math, dataset, or 'package.module:factory' (README)."""
+    """Task: digits[:mode] (own 16-token tokenizer), math, calculator (multi-turn, a tool), dataset, or 'package.module:factory' (README)."""
     task_without_checkpoint: str | None = None
     """Task run instead of grpo.task when model.hf_checkpoint is unset: random weights, a timing harness that learns nothing (e.g. digits, whose ids fit any vocabulary)."""
     prompts_per_step: int = 16
@@ -181,6 +181,12 @@ class GRPOConfig:
     """Weight of the k3 KL penalty to a frozen reference model; 0 disables it."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """group_std: (r - mean) / std per group; none: r - mean only."""
+    max_staleness: int = 0
+    """Steps the generator may run ahead: step k may train on rollouts sampled with the weights of step k - max_staleness, generated while the trainer learns (0: generate, then train, on the same weights)."""
+    importance_correction: Literal["off", "truncate", "mask"] = "off"
+    """Per-token weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator: truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
+    importance_cap: float = 2.0
+    """The cap C of grpo.importance_correction (> 1)."""
 
 
 @dataclass(kw_only=True)
@@ -198,7 +204,9 @@ class TaskConfig:
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     """math: levels drawn uniformly, repeats weigh more (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
     heldout_size: int = 500
-    """math: problems in the fixed held-out set (never drawn for training)."""
+    """math, calculator: problems in the fixed held-out set (never drawn for training)."""
+    max_turns: int = 4
+    """calculator: turns per episode (tool calls answered + 1)."""
     path: str | None = None
     """dataset: JSONL or Parquet file of problems (one object / row each)."""
     heldout_path: str | None = None
@@ -227,8 +235,8 @@ class EvalConfig:
 class WeightSyncConfig:
     enable: bool = True
     """Push trainer weights to the generator each step (false: negative control)."""
-    transport: Literal["inplace", "nccl"] = "inplace"
-    """inplace: generator in trainer rank 0's process; nccl: generator on the last torchrun rank, own device."""
+    transport: Literal["inplace", "nccl", "server"] = "inplace"
+    """inplace: generator in trainer rank 0's process; nccl: generator on the last torchrun rank, own device; server: a rollout server (python -m torchtitan_rl.serve) at serve.host:serve.port."""
     bucket_mb: int = 512
     """Largest bucket of gathered/cast tensors in flight, in MiB."""
     verify: Literal["off", "sampled", "full"] = "sampled"
@@ -236,7 +244,29 @@ class WeightSyncConfig:
     verify_samples: int = 4
     """Tensors compared per sync when verify is sampled."""
     peer_timeout_s: float = 1800.0
-    """transport=nccl: seconds one side waits for the other (engine start, a step) before it gives up."""
+    """transport=nccl or server: seconds one side waits for the other (engine start, a step) before it gives up."""
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """The generator as an OpenAI-style HTTP server (python -m torchtitan_rl.serve); the trainer reaches it
+    with weight_sync.transport = server."""
+
+    host: str = "127.0.0.1"
+    """Address the server binds and the trainer connects to; 0.0.0.0 exposes it (the trainer then uses 127.0.0.1)."""
+    port: int = 8000
+    """HTTP port: /v1/completions, /v1/chat/completions, /v1/models, /health, /control/*."""
+    sync_port: int = 0
+    """TCP port of the weight-sync rendezvous (a torch.distributed store); 0 takes serve.port + 1."""
+    token: str = ""
+    """Shared secret the trainer sends (Authorization: Bearer) to the control endpoints; required to serve."""
+    model_name: str = "torchtitan_rl"
+    """Model name listed at /v1/models; requests naming another model get 404."""
+    max_body_mb: float = 16.0
+    """Largest request body in MiB; a larger one gets 413."""
+    max_n: int = 4096
+    """Most completions one request may ask for (n times the number of prompts); a training step asks for
+    grpo.prompts_per_step x grpo.group_size in one request."""
 
 
 @dataclass(kw_only=True)
@@ -257,6 +287,8 @@ class JobConfig:
     """Held-out evaluation on the generator that serves training."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Trainer -> generator weight sync."""
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    """The rollout server: its address, port and shared token (the server and the trainer read the same section)."""
     batch_invariant_mode: bool = False
     """Bitwise-identical trainer and generator logprobs (both sides switch kernels)."""
     resume: bool = False

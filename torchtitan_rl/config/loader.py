@@ -184,6 +184,9 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _at_least(cfg, 0, "trainer.micro_batch_tokens", "trainer.logprob_chunk_tokens")
     _at_least(cfg, 0, "generator.sampling.temperature", "generator.wait_for_weights_s")
     _at_least(cfg, 2, "grpo.group_size")
+    _at_least(cfg, 0, "grpo.max_staleness")
+    if not cfg.grpo.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
+        raise ValueError(f"grpo.importance_cap: must be > 1, got {cfg.grpo.importance_cap}")
     _at_least(cfg, 0, "model.lora.rank")
     _in_range(cfg, "model.lora.dropout", 0, 1, "[0, 1)")
     if cfg.model.lora.rank and cfg.model.lora.alpha <= 0:
@@ -230,6 +233,8 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.weight_sync.transport == "nccl":
         _check_own_rank_generator(cfg, world_size)
         world_size -= 1  # the last rank holds the generator; the trainer has the others
+    if cfg.weight_sync.transport == "server":
+        check_serve(cfg)
     _check_degrees(cfg.trainer.parallelism, "trainer.parallelism", world_size, exact=True)
     _check_degrees(cfg.generator.parallelism, "generator.parallelism", world_size, exact=False)
 
@@ -282,10 +287,11 @@ def _check_task(cfg: JobConfig) -> None:
     _at_least(cfg, 0, "task.format_reward_weight")
     _positive(cfg, "task.heldout_size")
     _in_range(cfg, "task.heldout_fraction", 0, 1, "[0, 1)")
+    _positive(cfg, "task.max_turns")
     bad = [level for level in task.levels if not 1 <= level <= 5]
     if bad or not task.levels:
         raise ValueError(f"task.levels: each must be in 1..5, got {list(task.levels)}")
-    if name in ("math", "dataset") and tokenizer_dir(cfg) is None:
+    if name in ("math", "calculator", "dataset") and tokenizer_dir(cfg) is None:
         raise ValueError(
             f"task.tokenizer: grpo.task '{name}' renders prompts with a chat template; set task.tokenizer "
             "or model.hf_checkpoint to a folder with tokenizer.json"
@@ -309,6 +315,29 @@ def _check_eval(cfg: JobConfig) -> None:
     if cfg.eval.every_n_steps and effective_task(cfg).partition(":")[0] == "digits":
         # Every digit string can be drawn for training: nothing is held out.
         raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
+
+
+def check_serve(cfg: JobConfig) -> None:
+    """The serve section, for the rollout server and for a trainer that uses it (transport=server)."""
+    for name in ("serve.port", "serve.sync_port"):
+        if not 0 <= _get(cfg, name) <= 65535:
+            raise ValueError(f"{name}: must be a TCP port in [0, 65535], got {_get(cfg, name)}")
+    if cfg.serve.port == 0:
+        raise ValueError("serve.port: must be set (the trainer and clients connect to it), got 0")
+    if not cfg.serve.token:
+        raise ValueError("serve.token: set a shared secret; the trainer's control requests must carry it")
+    _positive(cfg, "serve.max_body_mb", "serve.max_n", "weight_sync.peer_timeout_s")
+    if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+        raise ValueError("model.lora.sync: 'merged' is not supported by the rollout server; use 'adapter'")
+    per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    if per_step > cfg.serve.max_n:
+        raise ValueError(f"serve.max_n: {cfg.serve.max_n} is less than the {per_step} completions a step asks for "
+                         "(grpo.prompts_per_step x grpo.group_size)")
+    if cfg.generator.parallelism.tensor_parallel_degree != 1:
+        raise ValueError(
+            "generator.parallelism.tensor_parallel_degree: the rollout server runs one engine on one device, "
+            f"so it must be 1, got {cfg.generator.parallelism.tensor_parallel_degree}"
+        )
 
 
 def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:

@@ -3,8 +3,13 @@
 Every rank trains; rank 0's process also runs the vLLM engine, the sync
 copies the trainer's tensors into it in place (WeightSync), and rank 0's
 rollouts reach the other trainer ranks by one broadcast. The loop
-(simple_grpo.py) sees the same three calls as for a generator on its own
-rank (remote.py): ``sync``, ``rollouts``, ``close``.
+(simple_grpo.py) sees the interface of generator/base.py, as for a generator
+on its own rank (remote.py).
+
+One process and one device do one thing at a time here, so ``submit``
+generates at once, with the weights of that moment: with grpo.max_staleness
+> 0 each batch is as old as on a generator of its own (same weights, same
+samples), but nothing overlaps training.
 """
 
 from pathlib import Path
@@ -13,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.generator.base import Done
 from torchtitan_rl.generator.generator import Generator, Rollouts
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import WeightSync
@@ -40,6 +46,10 @@ class ColocatedGenerator:
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
         """Copy ``state`` into the generator, which then serves ``version``; seconds taken."""
         return self.weight_sync.sync(state, version=version).seconds
+
+    def submit(self, prompts: list[list[int]], **generate_kwargs) -> Done:
+        """Generate now (see above); every rank gets the rollouts."""
+        return Done(self.rollouts(prompts, **generate_kwargs))
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
         """Generator.generate on rank 0 (``n``, ``stop_token_ids``, ``seed``); every rank gets the result."""

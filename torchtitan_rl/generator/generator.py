@@ -8,6 +8,7 @@ batch of rollouts records the weight version it was sampled with.
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,36 @@ class Rollouts:
     """One entry per completion (prompts repeated n times, group-contiguous)."""
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
-    """Generator logprob of each sampled token (after temperature)."""
+    """Generator logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
     weight_version: int
+    generate_s: float = 0.0
+    """Seconds the engine spent on this batch."""
+    idle_s: float = 0.0
+    """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
+    loss_mask: list[list[int]] | None = None
+    """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
+
+
+def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
+    """The seed of sample ``sample`` of prompt ``prompt`` in a request seeded ``seed`` (the server uses it too)."""
+    return None if seed is None else (seed * 1_000_003 + prompt) * 1009 + sample
+
+
+def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed: int | None, logprobs: int = 0,
+                    stop: list[str] | None = None):
+    """vLLM SamplingParams of one sample, reporting the sampled token's logprob (+ ``logprobs`` top ones)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        max_tokens=s.max_tokens,
+        logprobs=logprobs,
+        stop_token_ids=stop_token_ids,
+        stop=stop,
+        seed=seed,
+    )
 
 
 class Generator:
@@ -51,13 +80,20 @@ class Generator:
         device: str,
         workdir: Path,
         batch_invariant: bool = False,
+        tokenizer_dir: str | None = None,
     ) -> None:
+        """``tokenizer_dir``: an HF tokenizer folder for vLLM to detokenize with (text, stop strings); the
+        rollout server passes one, training needs none (token ids in, token ids out)."""
         self.config = config
         self.shape = shape
         self.seed = seed
         self._cond = threading.Condition()
         self._version: int | None = None
         self._syncing = False
+        self._idle_since: float | None = None
+        """When the engine last finished a batch or a sync; None while busy (and before the first sync)."""
+        self._idle_s = 0.0
+        """Idle seconds since the last batch, reported with the next."""
 
         if config.load_format == "auto":
             model_dir = model_config.hf_checkpoint
@@ -83,6 +119,7 @@ class Generator:
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=int(config.kv_cache_memory_gb * (1 << 30)),
             batch_invariant=batch_invariant,
+            tokenizer=tokenizer_dir,
         )
         self.model = compat.vllm_model(self.engine)
         if config.load_format == "auto":
@@ -103,8 +140,17 @@ class Generator:
         return self._version
 
     # -- called by the weight sync ------------------------------------------
+    def _busy(self) -> None:
+        if self._idle_since is not None:
+            self._idle_s += time.perf_counter() - self._idle_since
+            self._idle_since = None
+
+    def _idle(self) -> None:
+        self._idle_since = time.perf_counter()
+
     def begin_sync(self) -> None:
         with self._cond:
+            self._busy()
             self._syncing = True
 
     def abort_sync(self) -> None:
@@ -112,6 +158,7 @@ class Generator:
         with self._cond:
             self._syncing = False
             self._version = None
+            self._idle()
             self._cond.notify_all()
 
     def finish_sync(self, version: int) -> None:
@@ -120,6 +167,7 @@ class Generator:
         with self._cond:
             self._syncing = False
             self._version = version
+            self._idle()
             self._cond.notify_all()
 
     # -- rollouts -------------------------------------------------------------
@@ -151,24 +199,17 @@ class Generator:
         seed: int | None = None,
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order."""
-        from vllm import SamplingParams
-
         version = self._wait_for_weights()
+        started = time.perf_counter()
+        with self._cond:
+            self._busy()
         s = sampling or self.config.sampling
         # One request per sample (not SamplingParams.n) so each sample has its
         # own seed and the output order is ours to fix: group-contiguous.
         requests = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
-                params = SamplingParams(
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    top_k=s.top_k if s.top_k > 0 else 0,
-                    max_tokens=s.max_tokens,
-                    logprobs=0,
-                    stop_token_ids=stop_token_ids,
-                    seed=None if seed is None else (seed * 1_000_003 + i) * 1009 + j,
-                )
+                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, i, j))
                 rid = f"r{self._request_counter}"
                 self._request_counter += 1
                 self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
@@ -179,6 +220,9 @@ class Generator:
                 if out.finished:
                     finished[out.request_id] = out.outputs[0]
         assert self._version == version, "weights changed during generation"
+        with self._cond:
+            idle_s, self._idle_s = self._idle_s, 0.0
+            self._idle()
 
         prompt_ids, completions, logprobs = [], [], []
         for rid, prompt in requests:
@@ -187,4 +231,13 @@ class Generator:
             prompt_ids.append(list(prompt))
             completions.append(ids)
             logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
-        return Rollouts(prompt_ids, completions, logprobs, version)
+        return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
+
+    # The loop's interface (generator/base.py), so that a one-process caller can use a Generator directly.
+    rollouts = generate
+
+    def submit(self, prompts: list[list[int]], **generate_kwargs):
+        """Generate now; a Pending of generator/base.py."""
+        from torchtitan_rl.generator.base import Done
+
+        return Done(self.generate(prompts, **generate_kwargs))

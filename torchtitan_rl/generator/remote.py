@@ -13,11 +13,15 @@ rank 0 drives; the generator rank answers its messages in order:
 
 Messages and rollouts go through the job's store, one key each, deleted by
 the reader, so the store does not grow; the weights go over the two-rank
-group of NcclSender/NcclReceiver. The generator needs no task and no prompt
-RNG: each request carries its prompts and seed, so a resumed trainer (RNG
-state from the checkpoint) drives it unchanged. Every wait that only a crash
-on the other side could make endless gives up after
-``weight_sync.peer_timeout_s`` with a RuntimeError.
+group of NcclSender/NcclReceiver. The generator answers in order, so a
+"generate" posted before a "sync" is served with the weights before it:
+``submit`` posts and returns, and the trainer trains while the generator
+works (grpo.max_staleness); ``sync`` first collects the replies still
+owed, since the generator reaches the sync only after them. The generator
+needs no task and no prompt RNG: each request carries its prompts and seed,
+so a resumed trainer (RNG state from the checkpoint) drives it unchanged.
+Every wait that only a crash on the other side could make endless gives up
+after ``weight_sync.peer_timeout_s`` with a RuntimeError.
 """
 
 import faulthandler
@@ -92,19 +96,47 @@ class RemoteGenerator:
         self.sender = NcclSender(
             cfg.weight_sync, reference=reference, world=world, timeout_s=cfg.weight_sync.peer_timeout_s
         )
+        self.requests = 0
+        """Generate requests posted; the generator answers them in this order."""
+        self.answered = 0
+        """Trainer rank 0: replies read from the store."""
+        self.replies: dict[int, dict] = {}
+        """Trainer rank 0: replies read, by request number, whose result has not been taken yet."""
 
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
-        """Send ``state`` to the generator, which then serves ``version``; seconds taken."""
+        """Send ``state`` to the generator, which serves ``version`` to the requests submitted after
+        this; seconds the transfer took, once the requests submitted before have been answered."""
         if self.world.sender:
+            self._collect(self.requests - 1)  # the generator reaches the sync only after them
+            failed = [r["error"] for r in self.replies.values() if "error" in r]
+            if failed:  # the generator rank has stopped: say why rather than wait for it
+                raise RuntimeError(f"generator rank: {failed[0]}")
             self.mailbox.put("msg", {"op": "sync"})
         return self.sender.sync(state, version=version).seconds
 
-    def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
-        """Generator.generate on the generator rank (``n``, ``stop_token_ids``, ``seed``); every rank gets it."""
-        payload = [None]
+    def submit(self, prompts: list[list[int]], **generate_kwargs) -> "_Request":
+        """Post Generator.generate's arguments (``n``, ``stop_token_ids``, ``seed``, ...) and return."""
         if self.world.sender:
             self.mailbox.put("msg", {"op": "generate", "prompts": prompts, **generate_kwargs})
-            payload = [self.mailbox.get("reply", "rollouts")]
+        self.requests += 1
+        return _Request(self, self.requests - 1)
+
+    def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
+        """Generator.generate on the generator rank; every rank gets the rollouts."""
+        return self.submit(prompts, **generate_kwargs).result()
+
+    def _collect(self, number: int) -> None:
+        """Trainer rank 0: read the replies up to request ``number`` from the store."""
+        while self.answered <= number:
+            self.replies[self.answered] = self.mailbox.get("reply", "rollouts")
+            self.answered += 1
+
+    def _take(self, number: int) -> Rollouts:
+        """Request ``number``'s rollouts on every trainer rank (collective)."""
+        payload = [None]
+        if self.world.sender:
+            self._collect(number)
+            payload = [self.replies.pop(number)]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)  # the trainer ranks' group
         reply = payload[0]
@@ -116,6 +148,20 @@ class RemoteGenerator:
         """Tell the generator rank to shut its engine down and exit (also after an error here)."""
         if self.world.sender:
             self.mailbox.put("msg", {"op": "stop"})
+
+
+class _Request:
+    """A generate request posted to the generator rank (a Pending of generator/base.py)."""
+
+    def __init__(self, client: RemoteGenerator, number: int) -> None:
+        self.client, self.number = client, number
+        self.rollouts: Rollouts | None = None
+
+    def result(self) -> Rollouts:
+        """Collective the first time (every trainer rank calls it in the same order)."""
+        if self.rollouts is None:
+            self.rollouts = self.client._take(self.number)
+        return self.rollouts
 
 
 # -------------------------------------------------------------- generator side

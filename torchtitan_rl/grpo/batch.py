@@ -9,12 +9,14 @@ def pack_rollouts(
     generator_logprobs: list[list[float]],
     *,
     pad_id: int,
+    loss_mask: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens_BL (right-padded), loss_mask_BL, gen_logprobs_BL.
 
     Position t of loss_mask_BL / gen_logprobs_BL refers to token tokens_BL[:, t]
     (the trainer's logprob convention): completion tokens are scored, prompt
-    and padding are not.
+    and padding are not, nor completion tokens whose ``loss_mask`` is 0 (a
+    tool's output inside a multi-turn episode).
     """
     lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
     B, L = len(lengths), max(lengths)
@@ -24,7 +26,7 @@ def pack_rollouts(
     for b, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, generator_logprobs)):
         assert len(c) == len(lp), "one generator logprob per completion token"
         tokens_BL[b, : len(p) + len(c)] = torch.tensor(p + c)
-        mask_BL[b, len(p) : len(p) + len(c)] = 1
+        mask_BL[b, len(p) : len(p) + len(c)] = 1 if loss_mask is None else torch.tensor(loss_mask[b]).float()
         gen_BL[b, len(p) : len(p) + len(c)] = torch.tensor(lp)
     return tokens_BL, mask_BL, gen_BL
 

@@ -1,7 +1,7 @@
 """Held-out evaluation: greedy pass@1 (optionally mean@k) on the generator that serves training.
 
-It asks the generator through the loop's own interface (``rollouts``), so
-it runs in both layouts, with its own sampling settings and seeds. It never
+It asks the generator through the loop's own interface (``task.rollouts``), so
+it runs in every layout, with its own sampling settings and seeds. It never
 changes a training sample: every request carries its own seed, and the
 loop evaluates right after a step's rollouts are drawn (its KV blocks in
 vLLM's prefix cache are dropped by the next sync).
@@ -19,7 +19,8 @@ Generator.generate's per-sample mixing (x 1_000_003 x 1009), inside int64."""
 
 
 class Evaluator:
-    def __init__(self, config: EvalConfig, *, task: Task, spec: str, sampling: SamplingConfig, seed: int) -> None:
+    def __init__(self, config: EvalConfig, *, task: Task, spec: str, sampling: SamplingConfig, seed: int,
+                 max_total_tokens: int) -> None:
         prompts = task.heldout_prompts()
         if not prompts:
             raise ValueError(f"eval.every_n_steps: grpo.task {spec!r} has no held-out set")
@@ -27,6 +28,7 @@ class Evaluator:
         self.task = task
         self.prompts = prompts[: config.num_prompts] if config.num_prompts else prompts
         self.seed = seed
+        self.max_total_tokens = max_total_tokens
         max_tokens = config.max_tokens or sampling.max_tokens
         # Greedy: temperature 0 is vLLM's argmax; top-p/top-k off so nothing else changes the choice.
         self.greedy = SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
@@ -39,10 +41,9 @@ class Evaluator:
     def run(self, generator, *, step: int) -> dict[str, float]:
         """Evaluate the weights the generator serves now; every trainer rank calls it (rollouts is collective)."""
         started = time.perf_counter()
-        ids = [p.token_ids for p in self.prompts]
         seed = SEED_OFFSET + self.seed * 1_000_003 + step
-        stop = [self.task.eos_id]
-        greedy = generator.rollouts(ids, n=1, stop_token_ids=stop, seed=seed, sampling=self.greedy)
+        play = dict(seed=seed, max_total_tokens=self.max_total_tokens)  # a multi-turn task plays its episodes
+        greedy = self.task.rollouts(generator, self.prompts, n=1, sampling=self.greedy, **play)
         hits = [self.task.correct(p, c) for p, c in zip(self.prompts, greedy.completion_ids)]
         metrics = {
             "eval_accuracy": sum(hits) / len(hits),
@@ -52,7 +53,7 @@ class Evaluator:
         }
         k = self.config.mean_at_k
         if k:
-            sampled = generator.rollouts(ids, n=k, stop_token_ids=stop, seed=seed, sampling=self.sampled)
+            sampled = self.task.rollouts(generator, self.prompts, n=k, sampling=self.sampled, **play)
             hits = [self.task.correct(self.prompts[i // k], c) for i, c in enumerate(sampled.completion_ids)]
             metrics[f"eval_mean_at_{k}"] = sum(hits) / len(hits)
         metrics["eval_s"] = time.perf_counter() - started

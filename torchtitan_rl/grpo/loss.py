@@ -1,9 +1,16 @@
-"""The GRPO policy loss: a PPO-style clipped surrogate per token.
+"""The GRPO policy loss: a PPO-style clipped surrogate per token, and its off-policy weight.
 
 Every token of a completion shares its completion's advantage. The ratio
-pi / pi_old lets several optimizer steps (or a stale generator) reuse one
-batch of rollouts; clipping it keeps each update inside a trust region.
+pi / pi_old lets several optimizer steps reuse one batch of rollouts;
+clipping it keeps each update inside a trust region around pi_old, the
+trainer's own recompute at the start of the step. The tokens were sampled by
+the generator, mu, which differs from pi_old by its kernels (bf16 rounding)
+and, with grpo.max_staleness > 0, by older weights: ``importance_weights``
+gives each token the weight pi_old / mu, truncated or masked at a cap
+(docs/design.md, "Asynchronous GRPO").
 """
+
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -20,6 +27,7 @@ def grpo_loss(
     ref_logprobs_BT: Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
+    is_weights_BT: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate (+ optional k3 KL to a reference), mean over valid tokens.
 
@@ -35,6 +43,9 @@ def grpo_loss(
             the whole batch when this call sees one micro-batch: the summed
             micro-batch losses (and gradients) then equal the full-batch loss.
             None uses this call's own valid-token count.
+        is_weights_BT: per-token importance weight pi_old / mu (capped), from
+            ``importance_weights``; it multiplies the clipped surrogate (not the
+            KL term). None: no correction, the loss as without it, bit for bit.
 
     The loss is a token-level mean (sum over valid tokens / token count), not
     a mean of per-sequence means: every token weighs the same, so long
@@ -73,6 +84,10 @@ def grpo_loss(
     # Pessimistic bound: where the clipped term is the smaller one its gradient
     # is 0, so the update cannot push the ratio further out of the trust region.
     per_token_BT = -torch.minimum(unclipped_BT, clipped_BT)
+    if is_weights_BT is not None:
+        # The tokens came from mu, not pi_old: E_mu[w * f] = E_pi_old[f] (w >= 0 keeps the min's
+        # pessimism). Weights are data, no gradient flows through them.
+        per_token_BT = per_token_BT * is_weights_BT.to(dtype)
 
     kl_BT = None
     if ref_logprobs_BT is not None:
@@ -101,3 +116,54 @@ def grpo_loss(
             "tokens": float(valid),
         }
     return loss, metrics
+
+
+_MAX_LOG_RATIO = 20.0
+"""|log(pi_old / mu)| is clamped here before exp (weights within [2e-9, 5e8]): a token the generator
+sampled at a logprob the trainer calls -inf must not make the metrics inf or the weight NaN."""
+
+
+@torch.no_grad()
+def importance_weights(
+    old_logprobs_BT: Tensor,
+    generator_logprobs_BT: Tensor,
+    mask_BT: Tensor,
+    *,
+    mode: Literal["off", "truncate", "mask"],
+    cap: float,
+) -> tuple[Tensor | None, dict[str, float]]:
+    """Per-token weight w of the off-policy correction from rho = pi_old / mu, and its statistics.
+
+    Args:
+        old_logprobs_BT: log pi_old, the trainer's recompute with the weights it trains from.
+        generator_logprobs_BT: log mu, the generator's logprob of the token it sampled.
+        mask_BT: 1/True on scored completion tokens.
+        mode: truncate (TIS, Yao et al. 2025): w = min(rho, cap); mask: w = rho where
+            1/cap <= rho <= cap, else 0 (the token leaves the gradient, not the normaliser);
+            off: no weights (None), statistics only.
+        cap: C > 1.
+
+    Returns the weights (float32, 0 off the mask; None when off) and metrics
+    over the scored tokens: ``is_weight_mean`` and ``is_weight_max`` of rho
+    before the cap, and ``is_capped_frac``, the share of tokens the cap changed
+    (0 when off).
+    """
+    mask_BT = mask_BT.bool()
+    log_rho_BT = (old_logprobs_BT.float() - generator_logprobs_BT.float()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    rho_BT = torch.where(mask_BT, torch.exp(log_rho_BT), 0.0)
+    if mode == "truncate":
+        capped_BT = mask_BT & (rho_BT > cap)
+        weights_BT = rho_BT.clamp(max=cap)
+    elif mode == "mask":
+        capped_BT = mask_BT & ((rho_BT > cap) | (rho_BT < 1.0 / cap))
+        weights_BT = torch.where(capped_BT, 0.0, rho_BT)
+    else:
+        assert mode == "off", mode
+        capped_BT, weights_BT = torch.zeros_like(mask_BT), None
+    valid = int(mask_BT.sum().item())
+    n = max(valid, 1)
+    return weights_BT, {
+        "is_weight_mean": rho_BT.sum().item() / n,
+        "is_weight_max": rho_BT[mask_BT].max().item() if valid else 0.0,
+        "is_capped_frac": capped_BT.sum().item() / n,
+    }

@@ -53,11 +53,13 @@ class TrainBatch:
     loss_mask_BL: torch.Tensor
     """1 where tokens_BL[:, t] is a scored completion token; column 0 is always 0."""
     old_logprobs_BL: torch.Tensor
-    """float32 generator logprob of tokens_BL[:, t] at scored positions, 0 elsewhere."""
+    """float32 log pi_old of tokens_BL[:, t] (the ratio's reference: the trainer's recompute) at scored positions, 0 elsewhere."""
     advantages_B: torch.Tensor
     """float32 advantage of each sequence."""
     ref_logprobs_BL: torch.Tensor | None = None
     """float32 reference-model logprobs, needed when grpo.kl_coef > 0."""
+    is_weights_BL: torch.Tensor | None = None
+    """float32 off-policy weight of each scored token (grpo.loss.importance_weights); None: no correction."""
 
 
 class Trainer:
@@ -279,6 +281,7 @@ class Trainer:
         adv_B = batch.advantages_B.to(self.device)
         ref_BL = batch.ref_logprobs_BL
         ref_BL = ref_BL.to(self.device) if ref_BL is not None else None
+        is_BL = batch.is_weights_BL.to(self.device) if batch.is_weights_BL is not None else None
         assert not mask_BL[:, 0].any(), "loss_mask_BL[:, 0] must be 0: position 0 has no logprob"
 
         # One normaliser for the global batch: summed over micro-batches and
@@ -291,7 +294,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             totals = self._accumulate_gradients(
                 tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
-                mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens,
+                mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
             )
             grad_norm = self._clip_grad_norm()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -324,6 +327,7 @@ class Trainer:
         temperature: float,
         grpo: GRPOConfig,
         num_tokens: int,
+        is_BL: torch.Tensor | None = None,
     ) -> list[float]:
         """Forward/backward per micro-batch; returns this rank's metric sums.
 
@@ -346,6 +350,7 @@ class Trainer:
                 ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
                 kl_coef=grpo.kl_coef,
                 num_tokens=num_tokens,
+                is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
             )
             loss.backward()
             n = m["tokens"]

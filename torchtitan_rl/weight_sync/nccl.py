@@ -41,7 +41,8 @@ next one arrives (a rejected one is received and dropped, and the old version
 stays published). Then compare the checksums with its own tensors, check the
 engine-owned constants, and only then publish the version (``finish_sync``).
 A failed check marks the generator unservable (``abort_sync``) rather than
-serving mixed weights.
+serving mixed weights; a failure before the first write (a trainer that died
+while the lead buckets were in flight) leaves the previous version published.
 
 Ordering on CUDA: the broadcasts run on the process group's NCCL stream, the
 packing/unpacking on the current stream. Each broadcast waits (an event the
@@ -130,21 +131,29 @@ def init_world(device_type: str) -> World:
     )
     pair = None
     if rank in (0, trainers):
-        pair_store = dist.PrefixStore(f"{_PREFIX}/pair", store)
-        pair_rank = 0 if rank == 0 else 1
-        if cuda:
-            try:
-                pair = dist.ProcessGroupNCCL(pair_store, pair_rank, 2, dist.ProcessGroupNCCL.Options())
-            except TypeError:  # a torch without the Options overload
-                pair = dist.ProcessGroupNCCL(pair_store, pair_rank, 2)
-        else:
-            pair = dist.ProcessGroupGloo(pair_store, pair_rank, 2, timedelta(minutes=30))
-        # Create the NCCL communicator now, before the generator's vLLM engine:
-        # vLLM's batch-invariant mode sets NCCL_PROTO=Simple, one channel, etc. in
-        # its process, and a communicator created after that would not match the
-        # trainer's (seen on 2 H200s: the first sync hung after two buckets).
-        _broadcast(pair, torch.zeros(1, device=device), root=0).wait()
+        pair = pair_group(dist.PrefixStore(f"{_PREFIX}/pair", store), rank=0 if rank == 0 else 1, device=device)
     return World(role, rank, trainers, device, store, pair)
+
+
+def pair_group(store: dist.Store, *, rank: int, device: torch.device, timeout_s: float = 1800.0):
+    """The two-rank c10d group of trainer rank 0 (rank 0) and the generator (rank 1) on ``store``.
+
+    Returns once both sides joined and the communicator exists. It is created
+    before the generator's vLLM engine where possible: vLLM's batch-invariant
+    mode sets NCCL_PROTO=Simple, one channel, etc. in its process, and a
+    communicator created after that would not match the trainer's (seen on 2
+    H200s: the first sync hung after two buckets). ``timeout_s`` bounds each
+    collective (gloo): a peer that died mid-sync raises instead of hanging.
+    """
+    if device.type == "cuda":
+        try:
+            pair = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+        except TypeError:  # a torch without the Options overload
+            pair = dist.ProcessGroupNCCL(store, rank, 2)
+    else:
+        pair = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+    _broadcast(pair, torch.zeros(1, device=device), root=0).wait()
+    return pair
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -426,6 +435,8 @@ class NcclReceiver:
         self.nbytes = {k: _aligned(s.numel() * d.itemsize) for k, (d, s) in self.layout.items()}
         self.buffers = _Buckets(world.device, self.layout, self.nbytes)
         self.syncs = 0
+        self._wrote = False
+        """Whether the current sync has written into the generator's tensors yet."""
         self.lock = threading.Lock()
         self.syncing = threading.Event()
         """Set from the header until the version is published (or the sync failed)."""
@@ -458,6 +469,10 @@ class NcclReceiver:
         ))
         return plan
 
+    def pending(self) -> bool:
+        """Whether the next sync's header has arrived (no wait: a poll that the store does not log)."""
+        return self.store.check([f"header/{self.syncs + 1}"])
+
     @torch.no_grad()
     def receive(self, timeout_s: float | None = None) -> SyncStats | None:
         """Apply the next sync; None if no header came within ``timeout_s`` (None: wait for it)."""
@@ -471,6 +486,7 @@ class NcclReceiver:
         keys = [k for k, bit in zip(self.keys, info["moved"]) if bit == "1"]
         check = pick_entries(keys, info["verify"], info["samples"], version)
         gen = self.generator
+        self._wrote = False
         with self.lock:
             previous = gen.weight_version
             gen.begin_sync()
@@ -482,7 +498,10 @@ class NcclReceiver:
                 if self.world.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()  # every unpack has landed
             except BaseException as e:
-                gen.abort_sync()
+                if self._wrote:
+                    gen.abort_sync()  # some tensors hold the new version, some the old: serve nothing
+                else:  # e.g. the trainer died before the verdict: nothing was written, the old version stands
+                    gen.finish_sync(previous)
                 self.syncing.clear()
                 self.syncs = n
                 self.store.set(f"ack/{n}", f"{type(e).__name__}: {e}")
@@ -522,6 +541,7 @@ class NcclReceiver:
             works[i].wait()
             if bucket.dests is None:
                 bucket.dests = [self.entries[k].dest for k in bucket.keys]
+            self._wrote = True
             torch._foreach_copy_(bucket.dests, bucket.views[i % 2])
             if i + 2 < len(buckets):
                 post(i + 2)  # the process group orders it after the unpack just queued

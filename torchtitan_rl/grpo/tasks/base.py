@@ -62,6 +62,18 @@ class Task(ABC):
         """Whether the completion solves the prompt: held-out accuracy counts these."""
         return self.reward(prompt, completion_ids) >= 1.0
 
+    def submit(self, generator, prompts: list[Prompt], *, n: int, seed: int | None, sampling,
+               max_total_tokens: int):
+        """Ask ``generator`` (any layout, generator/base.py) for ``n`` completions per prompt, group-contiguous,
+        one turn each, ending at ``eos_id``; returns its Pending. Multi-turn tasks (tasks/episodes.py) play
+        whole episodes here."""
+        return generator.submit([p.token_ids for p in prompts], n=n, stop_token_ids=[self.eos_id], seed=seed,
+                                sampling=sampling)
+
+    def rollouts(self, generator, prompts: list[Prompt], **kwargs):
+        """``submit(...).result()``: ask and wait."""
+        return self.submit(generator, prompts, **kwargs).result()
+
     def heldout_prompts(self) -> list[Prompt]:
         """A fixed set of prompts never drawn by ``sample_prompts``; empty: nothing held out."""
         return []

@@ -5,6 +5,7 @@ Built-ins:
 - ``digits`` / ``digits:<mode>`` (copy, reverse, repeat_first): its own 16-token
   tokenizer, for a randomly initialised tiny model only.
 - ``math``: arithmetic word problems (tasks/arithmetic.py).
+- ``calculator``: the same problems, multi-turn, with a calculator tool (tasks/calculator.py).
 - ``dataset``: a JSONL or Parquet file (tasks/dataset.py).
 
 ``math`` and ``dataset`` use the tokenizer and chat template of ``task.tokenizer``,
@@ -27,6 +28,10 @@ from torchtitan_rl.grpo.tasks.base import Task
 from torchtitan_rl.grpo.tasks.digits import MODES, DigitsTask
 
 
+CHAT_TASKS = ("math", "calculator", "dataset")
+"""Built-in tasks on the checkpoint's tokenizer and chat template."""
+
+
 def build_task(
     spec: str, config: TaskConfig | None = None, *, tokenizer_dir: str | None = None,
     max_prompt_tokens: int | None = None,
@@ -38,9 +43,9 @@ def build_task(
     if name == "digits":
         # DigitsTask raises its own grpo.task ValueError for an unknown mode.
         return DigitsTask(mode=arg) if arg else DigitsTask()
-    if name in ("math", "dataset") and arg:
+    if name in CHAT_TASKS and arg:
         raise ValueError(f"grpo.task: {name!r} takes no ':<arg>' (got {spec!r}); its settings are in [task]")
-    if name in ("math", "dataset"):
+    if name in CHAT_TASKS:
         if tokenizer_dir is None:
             raise ValueError(f"task.tokenizer: grpo.task '{name}' needs task.tokenizer or model.hf_checkpoint")
         field = "task.tokenizer" if config.tokenizer else "model.hf_checkpoint"
@@ -48,13 +53,17 @@ def build_task(
             from torchtitan_rl.grpo.tasks.arithmetic import MathTask
 
             return MathTask(config, tokenizer_dir=tokenizer_dir, field=field)
+        if name == "calculator":
+            from torchtitan_rl.grpo.tasks.calculator import CalculatorTask
+
+            return CalculatorTask(config, tokenizer_dir=tokenizer_dir, field=field)
         from torchtitan_rl.grpo.tasks.dataset import DatasetTask
 
         return DatasetTask(config, tokenizer_dir=tokenizer_dir, field=field, max_prompt_tokens=max_prompt_tokens)
     if not arg:
         raise ValueError(
             f"grpo.task: unknown task {spec!r}; use 'digits', 'digits:<mode>' with mode in {MODES}, "
-            "'math', 'dataset', or 'package.module:factory' for a user task"
+            "'math', 'calculator', 'dataset', or 'package.module:factory' for a user task"
         )
     return _build_user_task(spec, module_name=name, factory_name=arg,
                             kwargs={"config": config, "tokenizer_dir": tokenizer_dir})

@@ -1,0 +1,49 @@
+"""A trainer that dies in the middle of a sync (tests/generator/test_server.py).
+
+python server_trainer_worker.py PORT SYNC_PORT TOKEN DIE_AFTER: connects to the
+rollout server, syncs version 30 in full, then starts syncing version 31 in
+4 KiB buckets and exits (code 3) right after its DIE_AFTER-th broadcast of it
+has left, as a killed process would: no error message, no goodbye.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.helpers import native_state, trainer_model  # noqa: E402
+from torchtitan_rl.config import load_toml  # noqa: E402
+from torchtitan_rl.generator.server_client import ServerGenerator  # noqa: E402
+from torchtitan_rl.trainer.distributed import init_process_group  # noqa: E402
+from torchtitan_rl.weight_sync import nccl  # noqa: E402
+
+
+def main(port: int, sync_port: int, token: str, die_after: int) -> None:
+    cfg = load_toml(Path(__file__).resolve().parents[2] / "run_configs" / "cpu_tiny.toml")
+    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token = port, sync_port, token
+    cfg.weight_sync.peer_timeout_s = 60.0
+    init_process_group(torch.device("cpu"))
+    generator = ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))
+    generator.sync(native_state(trainer_model(seed=30)), version=30)
+
+    generator.sender.bucket_bytes = 4096  # many buckets: the death lands inside the sync
+    broadcast, sent = nccl._broadcast, [0]
+
+    def broadcast_then_die(pair, tensor, root):
+        work = broadcast(pair, tensor, root)
+        work.wait()  # the bytes left this process
+        sent[0] += 1
+        if sent[0] == die_after:
+            os._exit(3)
+        return work
+
+    nccl._broadcast = broadcast_then_die
+    generator.sync(native_state(trainer_model(seed=31)), version=31)
+    sys.exit("the sync finished; the worker should have died in it")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))

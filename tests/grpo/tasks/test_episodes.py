@@ -1,0 +1,112 @@
+"""Multi-turn episodes (tasks/episodes.py) on the real engine, and the calculator tool.
+
+The engine runs the tiny Qwen3 with trainer weights, so its samples are random
+digits; the test's tool is called by any digit 0-4 and answers "==". That exercises
+every part of an episode (cut after the call, masked tool tokens, the next
+turn conditioned on all of it, turn and token budgets) without needing a
+model that knows what a tool is. The calculator task's own episodes on
+SmolLM2 run in the GPU benchmark (docs/benchmarks.md).
+"""
+
+import random
+
+import pytest
+
+from tests.helpers import BF16_MISMATCH_MEAN, make_generator, native_state, reference_logprobs, trainer_model
+from torchtitan_rl.config import SamplingConfig, WeightSyncConfig
+from torchtitan_rl.grpo.batch import pack_rollouts
+from torchtitan_rl.grpo.tasks.calculator import calculate, find_call
+from torchtitan_rl.grpo.tasks.digits import DigitsTask
+from torchtitan_rl.grpo.tasks.episodes import ToolTask
+from torchtitan_rl.weight_sync import WeightSync
+
+MAX_TOTAL = 24
+CALLS, EQ = {4, 5, 6, 7, 8}, 14
+"""Token ids of "0".."4" (a tool call) and "=" in the digits tokenizer."""
+
+
+class DigitTool(ToolTask, DigitsTask):
+    """Digits prompts; a turn calls the tool by writing a digit 0-4, and the tool answers "==" ."""
+
+    max_turns = 3
+
+    def call_tool(self, text):
+        at = min((text.find(d) for d in "01234" if d in text), default=-1)
+        return None if at < 0 else (at + 1, "==")
+
+
+@pytest.fixture(scope="module")
+def episodes(tmp_path_factory):
+    model = trainer_model(seed=0)
+    generator = make_generator(tmp_path_factory.mktemp("gen"))
+    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=generator).sync(
+        native_state(model), version=4)
+    task = DigitTool(mode="repeat_first")
+    prompts = task.sample_prompts(8, generator=random.Random(0))
+    sampling = SamplingConfig(max_tokens=8)
+    play = dict(n=2, seed=5, sampling=sampling, max_total_tokens=MAX_TOTAL)
+    yield model, task, prompts, task.rollouts(generator, prompts, **play), task.rollouts(generator, prompts, **play)
+    generator.close()
+
+
+def test_an_episode_is_turns_cut_after_each_call_with_masked_tool_answers(episodes):
+    _, task, prompts, r, _ = episodes
+    assert r.weight_version == 4 and len(r.completion_ids) == 16
+    assert r.prompt_ids == [p.token_ids for p in prompts for _ in range(2)]
+    calls = []
+    for ids, mask, lps, prompt in zip(r.completion_ids, r.loss_mask, r.logprobs, r.prompt_ids):
+        assert len(ids) == len(mask) == len(lps) and len(prompt) + len(ids) <= MAX_TOTAL
+        # Walk the episode turn by turn: policy tokens up to and including the first 7, then the tool's "==".
+        i, turns = 0, 0
+        while i < len(ids):
+            turns += 1
+            j = i
+            while j < len(ids) and mask[j] == 1:
+                j += 1
+            policy = ids[i:j]
+            if turns < task.max_turns:  # the last turn's call is not answered, so not cut either
+                assert not CALLS & set(policy[:-1]), policy  # cut right after the first call
+            if j < len(ids):  # a tool answer follows: the turn ended with its call
+                assert policy[-1] in CALLS and ids[j:j + 2] == [EQ, EQ] and mask[j:j + 2] == [0, 0]
+                assert lps[j:j + 2] == [0.0, 0.0]
+                j += 2
+            i = j
+        assert turns <= task.max_turns
+        calls.append(mask.count(0) // 2)
+    assert max(calls) >= 2 and min(calls) == 0, calls  # some episodes call twice, some never
+
+
+def test_later_turns_are_sampled_from_exactly_the_sequence_the_trainer_scores(episodes):
+    """The generator's logprobs of turn 2 and 3 tokens equal the trainer's on prompt + episode so far."""
+    model, task, _, r, _ = episodes
+    tokens_BL, mask_BL, gen_BL = pack_rollouts(r.prompt_ids, r.completion_ids, r.logprobs, pad_id=task.pad_id,
+                                               loss_mask=r.loss_mask)
+    assert mask_BL.sum().item() == sum(sum(m) for m in r.loss_mask)  # tool tokens are not scored
+    errors = []
+    for prompt, ids, lps, mask in zip(r.prompt_ids, r.completion_ids, r.logprobs, r.loss_mask):
+        if 0 not in mask:
+            continue
+        ref = reference_logprobs(model, prompt, ids)
+        after_a_call = [k for k in range(mask.index(0), len(ids)) if mask[k]]
+        errors += [abs(lps[k] - ref[k].item()) for k in after_a_call]
+    assert errors and sum(errors) / len(errors) < BF16_MISMATCH_MEAN, errors
+
+
+def test_same_seed_same_episodes(episodes):
+    *_, a, b = episodes
+    assert (a.completion_ids, a.loss_mask, a.logprobs) == (b.completion_ids, b.loss_mask, b.logprobs)
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("7 * 12 - 5", "79"), ("(3 + 4) / 2", "3.5"), ("-3", "-3"), ("2.5 * 2", "5"),
+    ("1 / 0", "error"), ("9 ** 9 ** 9", "error"), ("__import__('os')", "error"), ("x + 1", "error"),
+])
+def test_calculator_evaluates_arithmetic_only(expression, value):
+    assert calculate(expression) == value
+
+
+def test_calculator_call_syntax():
+    # The prompt opens the reply with "<calc>": the first call has no opening tag in the reply's text.
+    assert find_call("7 * 12</calc> so") == (13, "7 * 12")
+    assert find_call("first <calc>2+2</calc> then <calc>3+3</calc>") == (22, "2+2")
+    assert find_call("no call here") is None

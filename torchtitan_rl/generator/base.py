@@ -1,0 +1,54 @@
+"""What the GRPO loop needs from a generator, whatever the layout: the one interface.
+
+The loop (simple_grpo.py) holds a ``RolloutGenerator`` and never learns which
+layout it has: colocated.py (the engine in trainer rank 0's process),
+remote.py (the engine on its own torchrun rank), or any other that keeps
+the contract below.
+
+Every trainer rank calls every method, in the same order (the calls are
+collective: the rollouts reach every rank). Requests are served in the
+order they were made, and a ``sync`` changes the weights only for requests
+made after it: a request submitted before a sync is sampled with the
+weights before that sync, however late its result is taken. This is what
+lets the loop keep requests in flight while it trains (grpo.max_staleness)
+and still know which weights each batch came from (``Rollouts.weight_version``).
+"""
+
+from typing import Protocol
+
+import torch
+
+from torchtitan_rl.config import SamplingConfig
+from torchtitan_rl.generator.generator import Rollouts
+
+
+class Pending(Protocol):
+    def result(self) -> Rollouts:
+        """The request's rollouts, waiting for them if needed; the same object every call."""
+
+
+class RolloutGenerator(Protocol):
+    def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
+        """Weights for the requests submitted from now on, served as ``version``; seconds the
+        transfer took (not counting any wait for requests submitted earlier to finish)."""
+
+    def submit(self, prompts: list[list[int]], *, n: int, stop_token_ids: list[int] | None = None,
+               seed: int | None = None, sampling: SamplingConfig | None = None) -> Pending:
+        """Ask for ``n`` completions per prompt (Generator.generate's arguments); returns at once
+        where the layout can generate meanwhile."""
+
+    def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
+        """``submit(...).result()``: ask and wait."""
+
+    def close(self) -> None:
+        """Shut the engine down (also after an error in the loop)."""
+
+
+class Done:
+    """A Pending whose rollouts are already here (generated at submit, or restored from a checkpoint)."""
+
+    def __init__(self, rollouts: Rollouts) -> None:
+        self.rollouts = rollouts
+
+    def result(self) -> Rollouts:
+        return self.rollouts

@@ -1,0 +1,338 @@
+"""The rollout server: our generator behind an OpenAI-style HTTP API, fed weights by the trainer.
+
+``python -m torchtitan_rl.serve --config run_configs/... --serve.token SECRET``
+builds, from the same JobConfig as the trainer, the Generator (dummy weights,
+NaN-poisoned: it serves nothing before the first sync), an EngineLoop
+(continuous batching over concurrent requests, engine_loop.py) and:
+
+    GET  /health               status, weight version, queue
+    GET  /v1/models            the served model (serve.model_name)
+    POST /v1/completions       text or token-id prompts
+    POST /v1/chat/completions  messages through the checkpoint's chat template
+    POST /control/connect      (Bearer serve.token) a trainer opens a sync session
+    POST /control/disconnect   (Bearer serve.token) it closes it
+
+Generation requests before the first sync wait up to
+``generator.wait_for_weights_s`` and then get 503 with a JSON reason and
+``Retry-After``; never a token from dummy weights. Every response carries
+the version that produced it.
+
+Weights: a trainer connects (``/control/connect``), gets a random session id
+and the port of the server's TCP store (``serve.sync_port``), and the two
+sides build the own-rank layout's two-rank group on it: the trainer's
+NcclSender, the server's NcclReceiver (weight_sync/nccl.py: sync plan and
+coverage proof at connect, validation before any write, buckets, checksums,
+version published last; after a LoRA run's first full sync only the adapter
+moves, one flat bucket). A session thread applies each sync between the
+engine loop's batches (EngineLoop.begin_sync drains what runs). A new
+connect (a restarted or resumed trainer) ends the previous session; a
+trainer that dies mid-sync leaves the previous version served if nothing
+was written yet, else nothing served until the next sync: never a mix.
+"""
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.config import JobConfig, SamplingConfig
+from torchtitan_rl.generator.engine_loop import EngineLoop, Sample
+from torchtitan_rl.generator.generator import WeightsNotSyncedError, sample_seed, sampling_params
+from torchtitan_rl.generator.openai_api import ChatRequest, CompletionRequest, HttpError, parse
+from torchtitan_rl.weight_sync.nccl import NcclReceiver, World, pair_group
+
+_POLL_S = 0.01
+"""How often a session thread looks for the trainer's next sync header."""
+SESSION_PREFIX = "torchtitan_rl/serve"
+"""Store prefix of a sync session's keys (+ /<session id>)."""
+
+
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def sync_port(cfg: JobConfig) -> int:
+    return cfg.serve.sync_port or cfg.serve.port + 1
+
+
+class SyncSessions:
+    """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
+
+    def __init__(self, loop: EngineLoop, *, host: str, port: int, device: torch.device, timeout_s: float) -> None:
+        self.loop, self.device, self.timeout_s = loop, device, timeout_s
+        # The server hosts the store the trainer's ranks join; wait_for_workers=False: they come and go.
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s))
+        self._lock = threading.Lock()
+        """Held while a sync is applied: an ending session never overlaps the next one's sync."""
+        self._stop: threading.Event | None = None
+        self.syncs = 0
+
+    def connect(self, trainer_ranks: int) -> str:
+        session = uuid.uuid4().hex
+        if self._stop is not None:
+            self._stop.set()  # the previous session's thread exits at its next poll
+        self._stop = threading.Event()
+        threading.Thread(target=self._serve, args=(session, trainer_ranks, self._stop),
+                         name=f"sync-{session[:8]}", daemon=True).start()
+        return session
+
+    def disconnect(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    def _serve(self, session: str, trainer_ranks: int, stop: threading.Event) -> None:
+        store = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", self.store)
+        try:
+            pair = pair_group(dist.PrefixStore("pair", store), rank=1, device=self.device, timeout_s=self.timeout_s)
+            world = World("generator", trainer_ranks, trainer_ranks, self.device, store, pair)
+            receiver = NcclReceiver(generator=self.loop, world=world, timeout_s=self.timeout_s)
+            print(f"torchtitan_rl serve: trainer connected (session {session[:8]}, {len(receiver.keys)} tensors)",
+                  flush=True)
+            while not stop.wait(_POLL_S):
+                if not receiver.pending():
+                    continue
+                with self._lock:
+                    stats = receiver.receive()
+                if stats is not None:
+                    self.syncs += 1
+                    what = "rejected" if stats.rejected else f"{stats.bytes_written / 2**20:.1f} MiB"
+                    print(f"torchtitan_rl serve: sync -> version {stats.version} ({what}, {stats.seconds:.3f} s)",
+                          flush=True)
+        except Exception as e:  # the server keeps serving (previous version, or nothing after a partial write)
+            print(f"torchtitan_rl serve: sync session {session[:8]} ended: {type(e).__name__}: {e}; serving "
+                  f"version {self.loop.weight_version}", flush=True)
+
+
+class RolloutServer:
+    """The HTTP side: request checks, tokenization, responses; generation goes through the EngineLoop."""
+
+    def __init__(self, cfg: JobConfig, *, loop: EngineLoop, sessions: SyncSessions, tokenizer) -> None:
+        self.cfg, self.loop, self.sessions, self.tokenizer = cfg, loop, sessions, tokenizer
+        self.max_model_len = cfg.generator.max_model_len
+        self.vocab_size = loop.generator.shape.vocab_size
+        self.max_body = int(cfg.serve.max_body_mb * (1 << 20))
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        routes = [
+            Route("/health", self._handler(self.health), methods=["GET"]),
+            Route("/v1/models", self._handler(self.models), methods=["GET"]),
+            Route("/v1/completions", self._handler(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._handler(self.chat), methods=["POST"]),
+            Route("/control/connect", self._handler(self.connect), methods=["POST"]),
+            Route("/control/disconnect", self._handler(self.disconnect), methods=["POST"]),
+        ]
+        return Starlette(routes=routes)
+
+    def _handler(self, fn):
+        from starlette.responses import JSONResponse
+
+        async def handle(request):
+            try:
+                body, headers = await fn(request)
+                return JSONResponse(body, headers=headers)
+            except HttpError as e:
+                return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            except Exception as e:  # a bug, not the client's fault: say so, keep serving
+                return JSONResponse(HttpError(500, f"{type(e).__name__}: {e}", type="server_error").body(),
+                                    status_code=500)
+
+        return handle
+
+    # -- helpers ----------------------------------------------------------------
+    async def _json(self, request) -> dict:
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > self.max_body:
+            raise HttpError(413, f"request body of {int(length)} bytes exceeds serve.max_body_mb "
+                                 f"({self.cfg.serve.max_body_mb:g} MiB)")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body:
+                raise HttpError(413, f"request body exceeds serve.max_body_mb ({self.cfg.serve.max_body_mb:g} MiB)")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"malformed JSON body: {e}") from None
+
+    def _authorize(self, request) -> None:
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.cfg.serve.token}".encode()):
+            raise HttpError(401, "control endpoints need 'Authorization: Bearer <serve.token>'",
+                            type="authentication_error")
+
+    def _check_model(self, name: str) -> None:
+        if name != self.cfg.serve.model_name:
+            raise HttpError(404, f"model {name!r} is not served here; this server serves "
+                                 f"{self.cfg.serve.model_name!r}", param="model", code="model_not_found")
+
+    def _check_prompt(self, ids: list[int], max_tokens: int, where: str) -> None:
+        if not ids:
+            raise HttpError(400, f"{where}: empty prompt", param=where)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise HttpError(400, f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                            param=where)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise HttpError(400, f"{where}: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context "
+                                 f"of {self.max_model_len} tokens (generator.max_model_len)", param=where)
+
+    async def _generate(self, req, prompts: list[list[int]], max_tokens: int, logprobs: int) -> list[Sample]:
+        if req.n * len(prompts) > self.cfg.serve.max_n:
+            raise HttpError(400, f"n: {req.n} completions x {len(prompts)} prompts exceed serve.max_n "
+                                 f"({self.cfg.serve.max_n})", param="n")
+        for i, ids in enumerate(prompts):
+            self._check_prompt(ids, max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        s = SamplingConfig(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens)
+        stop = req.stop_strings()
+        params, repeated = [], []
+        for i, ids in enumerate(prompts):  # group-contiguous, seeds as the in-process Generator's
+            for j in range(req.n):
+                params.append(sampling_params(s, stop_token_ids=req.stop_token_ids, seed=sample_seed(req.seed, i, j),
+                                              logprobs=logprobs, stop=stop))
+                repeated.append(ids)
+        try:
+            futures = self.loop.submit(repeated, params)
+            samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except WeightsNotSyncedError as e:
+            raise HttpError(503, f"generator: {e}", type="weights_not_synced",
+                            headers={"Retry-After": "1"}) from None
+        assert len({s.weight_version for s in samples}) == 1, "one request's samples span two versions"
+        return samples
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
+
+    def _token(self, tid: int) -> str:
+        return self.tokenizer.convert_ids_to_tokens(tid)
+
+    def _envelope(self, kind: str, choices: list[dict], samples: list[Sample], prompt_tokens: int):
+        version = samples[0].weight_version
+        completion_tokens = sum(len(s.token_ids) for s in samples)
+        body = {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.cfg.serve.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "weight_version": version,
+        }
+        return body, {"X-Weight-Version": str(version)}
+
+    # -- endpoints --------------------------------------------------------------
+    async def health(self, request):
+        return {"status": "ok", "weight_version": self.loop.weight_version, "syncs": self.sessions.syncs,
+                **self.loop.stats()}, {}
+
+    async def models(self, request):
+        return {"object": "list", "data": [{
+            "id": self.cfg.serve.model_name, "object": "model", "owned_by": "torchtitan_rl",
+            "max_model_len": self.max_model_len, "weight_version": self.loop.weight_version,
+        }]}, {}
+
+    async def completions(self, request):
+        req = parse(CompletionRequest, await self._json(request))
+        self._check_model(req.model)
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self._encode(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self._encode(x) for x in p]
+        else:
+            prompts = [list(x) for x in p]
+        if not prompts:
+            raise HttpError(400, "prompt: empty", param="prompt")
+        samples = await self._generate(req, prompts, req.max_tokens or 16, req.logprobs or 0)
+        choices = []
+        for k, s in enumerate(samples):
+            choice = {"index": k, "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
+            if req.logprobs is not None:
+                choice["logprobs"] = {
+                    "tokens": [self._token(t) for t in s.token_ids],
+                    "token_logprobs": s.logprobs,
+                    "top_logprobs": None if s.top_logprobs is None else [
+                        {self._token(t): lp for t, lp in pos.items()} for pos in s.top_logprobs],
+                }
+            if req.return_token_ids:
+                choice["token_ids"] = s.token_ids
+                choice["prompt_token_ids"] = prompts[k // req.n]
+            choices.append(choice)
+        return self._envelope("text_completion", choices, samples, sum(len(x) for x in prompts))
+
+    async def chat(self, request):
+        req = parse(ChatRequest, await self._json(request))
+        self._check_model(req.model)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise HttpError(400, "messages: the model's tokenizer has no chat template; use /v1/completions",
+                            param="messages")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors: a role the template does not know, ...
+            raise HttpError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
+        k = req.top_logprobs if req.logprobs else 0
+        samples = await self._generate(req, [prompt], req.max_completion_tokens or req.max_tokens or 16, k)
+        choices = []
+        for i, s in enumerate(samples):
+            choice = {"index": i, "message": {"role": "assistant", "content": s.text},
+                      "finish_reason": s.finish_reason, "logprobs": None}
+            if req.logprobs:
+                choice["logprobs"] = {"content": [
+                    {"token": self._token(t), "logprob": lp, "top_logprobs": [
+                        {"token": self._token(u), "logprob": v} for u, v in (top or {}).items()]}
+                    for t, lp, top in zip(s.token_ids, s.logprobs, s.top_logprobs or [None] * len(s.token_ids))
+                ]}
+            if req.return_token_ids:
+                choice["token_ids"] = s.token_ids
+                choice["prompt_token_ids"] = prompt
+            choices.append(choice)
+        return self._envelope("chat.completion", choices, samples, len(prompt))
+
+    async def connect(self, request):
+        self._authorize(request)
+        body = await self._json(request)
+        ranks = body.get("trainer_ranks") if isinstance(body, dict) else None
+        if not isinstance(ranks, int) or ranks < 1:
+            raise HttpError(400, f"trainer_ranks: must be an integer >= 1, got {ranks!r}", param="trainer_ranks")
+        session = self.sessions.connect(ranks)
+        return {"session": session, "sync_port": sync_port(self.cfg), "store_prefix": SESSION_PREFIX,
+                "weight_version": self.loop.weight_version}, {}
+
+    async def disconnect(self, request):
+        self._authorize(request)
+        self.sessions.disconnect()
+        return {"status": "ok"}, {}
+
+
+def tokenizer_folder(cfg: JobConfig, task, workdir: Path) -> str:
+    """An HF tokenizer folder for the engine and the chat template: the run's, or the task's own tokenizer
+    (digits: a ``tokenizers.Tokenizer``) written out as one."""
+    from torchtitan_rl.config.loader import tokenizer_dir
+
+    if tokenizer_dir(cfg):
+        return tokenizer_dir(cfg)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = task.tokenizer
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tok.id_to_token(task.eos_id),
+                                      pad_token=tok.id_to_token(task.pad_id))
+    folder = workdir / "generator_model"  # beside the config.json the Generator writes there: vLLM reads both
+    tok.save_pretrained(str(folder))
+    return str(folder)

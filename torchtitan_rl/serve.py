@@ -1,0 +1,57 @@
+"""The rollout server: python -m torchtitan_rl.serve --config run_configs/cpu_tiny.toml --serve.token SECRET
+
+The same JobConfig as the trainer (model, generator, task for the tokenizer,
+serve section). It serves nothing until a trainer started with
+``--weight_sync.transport server`` (and the same serve section) connects and
+syncs: generator/server.py says how. Stops on Ctrl-C / SIGTERM.
+"""
+
+from pathlib import Path
+
+from torchtitan_rl.cli import one_line_errors
+from torchtitan_rl.config import parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    with one_line_errors():
+        from torchtitan_rl.config.loader import check_serve
+
+        check_serve(cfg)
+        serve(cfg)
+
+
+def serve(cfg) -> None:
+    import uvicorn
+
+    from torchtitan_rl.generator.engine_loop import EngineLoop
+    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.generator.server import RolloutServer, SyncSessions, sync_port, tokenizer_folder
+    from torchtitan_rl.simple_grpo import run_device, run_shape, run_task
+    from transformers import AutoTokenizer
+
+    workdir = Path(cfg.job.output_dir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    task = run_task(cfg)
+    shape = run_shape(cfg, task)
+    device = run_device(cfg.job.device)
+    tokenizer_dir = tokenizer_folder(cfg, task, workdir)
+    generator = Generator(
+        cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
+        workdir=workdir, batch_invariant=cfg.batch_invariant_mode, tokenizer_dir=tokenizer_dir,
+    )
+    loop = EngineLoop(generator)
+    try:
+        sessions = SyncSessions(loop, host=cfg.serve.host, port=sync_port(cfg), device=device,
+                                timeout_s=cfg.weight_sync.peer_timeout_s)
+        server = RolloutServer(cfg, loop=loop, sessions=sessions, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
+        print(f"torchtitan_rl serve: http://{cfg.serve.host}:{cfg.serve.port} (model {cfg.serve.model_name!r}, "
+              f"sync port {sync_port(cfg)}); nothing is served before the trainer's first sync", flush=True)
+        uvicorn.run(server.app(), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+    finally:
+        loop.close()
+
+
+if __name__ == "__main__":
+    main()
