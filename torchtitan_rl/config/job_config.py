@@ -117,6 +117,8 @@ class TrainerConfig:
     """Most sequences per forward/backward on one rank; gradients accumulate over them."""
     micro_batch_tokens: int = 0
     """Token budget of a micro-batch (rows x its longest row, rows sorted by length); 0: micro_batch_size rows only."""
+    recompute_micro_batch_tokens: int = 0
+    """Token budget of the logprob recompute's micro-batches (no grad: no activations kept, so it can be far larger); 0: micro_batch_tokens."""
     logprob_chunk_tokens: int = 2048
     """Tokens whose [tokens, vocab] logits exist at once (lm_head + log-softmax in chunks); 0: whole micro-batch logits. Batch-invariant mode keeps whole logits."""
     compile: bool = False

@@ -78,7 +78,7 @@ class Trainer:
     ) -> None:
         if config.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {config.micro_batch_size}")
-        for name in ("micro_batch_tokens", "logprob_chunk_tokens"):
+        for name in ("micro_batch_tokens", "recompute_micro_batch_tokens", "logprob_chunk_tokens"):
             if getattr(config, name) < 0:
                 raise ValueError(f"trainer.{name}: must be >= 0, got {getattr(config, name)}")
         if config.max_grad_norm < 0:
@@ -196,7 +196,8 @@ class Trainer:
         tokens_BL = tokens_BL.to(self.device)
         out_BL = torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad(), deterministic_algorithms():
-            for mb in self._micro_batches(score_BL):
+            budget = self.config.recompute_micro_batch_tokens or self.config.micro_batch_tokens
+            for mb in self._micro_batches(score_BL, max_tokens=budget):
                 if mb is None:
                     self._logprobs(_dummy_tokens(tokens_BL), temperature, None)
                     continue
@@ -249,15 +250,13 @@ class Trainer:
         out_BL = hidden_BLD.new_zeros(tokens_BL.shape, dtype=torch.float32)
         return out_BL.index_put((b_N, t_N), logprobs_N)
 
-    def _micro_batches(self, score_BL: torch.Tensor) -> list[MicroBatch | None]:
+    def _micro_batches(self, score_BL: torch.Tensor, *, max_tokens: int) -> list[MicroBatch | None]:
         """This rank's micro-batches (trainer/micro_batches.py), padded with None to the most any rank has.
 
         FSDP all-gathers parameters in every forward and reduce-scatters in every
         backward, so all ranks must run the same number of micro-batches.
         """
-        batches = plan(
-            row_lengths(score_BL), max_rows=self.config.micro_batch_size, max_tokens=self.config.micro_batch_tokens
-        )
+        batches = plan(row_lengths(score_BL), max_rows=self.config.micro_batch_size, max_tokens=max_tokens)
         count = len(batches)
         if dist.get_world_size() > 1:
             count_t = torch.tensor(count, device=self.device)
@@ -334,7 +333,7 @@ class Trainer:
         The sums: loss, tokens, and token-weighted clip_fraction, kl, ratio_mean.
         """
         totals = [0.0] * 5
-        for mb in self._micro_batches(mask_cpu_BL):
+        for mb in self._micro_batches(mask_cpu_BL, max_tokens=self.config.micro_batch_tokens):
             if mb is None:
                 # Another rank has more micro-batches: join its collectives, add nothing.
                 (self._logprobs(_dummy_tokens(tokens_BL), temperature, None).sum() * 0.0).backward()
