@@ -244,7 +244,7 @@ def main() -> None:
         + "\n\n"
     )
     body += table(["trainer setting", "recompute s", "tokens/s", "MFU", "peak GiB", "fwd+bwd s", "tokens/s",
-                   "MFU", "peak GiB", "max |dlogprob| vs first"], rows)
+                   "MFU", "peak GiB", "max abs dlogprob vs first"], rows)
     if not args.no_write:
         suffix = ", ragged" if args.ragged else ""
         write_section(f"Trainer throughput (qwen3_0.6b{suffix}, {device})", device=device, body=body)
