@@ -173,7 +173,7 @@ def run(cfg: JobConfig) -> list[dict]:
             # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
             per_rank = P * G // trainer.dp_size
             rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
-            trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature).cpu()
+            trainer_lp_BL = trainer.token_logprobs(tokens_BL[rows], temperature=temperature, mask_BL=mask_BL[rows]).cpu()
             mismatch = _reduce_token_stats(
                 logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
             )
@@ -184,7 +184,8 @@ def run(cfg: JobConfig) -> list[dict]:
             )
             is_stats = _reduce_token_stats(is_stats, mask_BL[rows], device)
             ref_lp_BL = (
-                reference.token_logprobs(tokens_BL[rows], temperature=temperature).cpu() if reference else None
+                reference.token_logprobs(tokens_BL[rows], temperature=temperature, mask_BL=mask_BL[rows]).cpu()
+                if reference else None
             )
 
             # 6. clipped policy-gradient step

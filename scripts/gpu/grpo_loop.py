@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
     parser.add_argument("--out", default=None, help="copy metrics.jsonl and a summary JSON here")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="per-step generation diagnostics of scripts/gpu/gen_drift.py in the summary")
     args, overrides = parser.parse_known_args()  # the rest: --section.field value overrides
 
     t_start = time.perf_counter()
@@ -71,6 +73,11 @@ def main() -> None:
     register_optimizer_step_pre_hook(pre_hook)
     register_optimizer_step_post_hook(post_hook)
 
+    diagnostics: list = []
+    if args.diagnose:
+        from gen_drift import install
+
+        install(diagnostics)
     history = run(cfg)
     wall = time.perf_counter() - t_start
     assert len(history) == len(recompute) == len(optimizer) == args.steps, (
@@ -96,6 +103,7 @@ def main() -> None:
         "steps": args.steps, "skipped": args.skip, "wall_s": wall, "first_step_s": steps[0]["step_s"],
         "median": med, "per_step": steps, "config": argv,
         "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        "generate_diagnostics": diagnostics,
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=1))
     if args.out:
@@ -115,7 +123,9 @@ def main() -> None:
         f"{g.prompts_per_step} prompts x {g.group_size} samples, up to {s.sampling.max_tokens} new tokens "
         f"(random weights rarely emit <eos>, so nearly every sample runs to the limit); generator "
         f"enforce_eager={s.enforce_eager}, gpu_memory_utilization={s.gpu_memory_utilization}, "
-        f"max_num_seqs={s.max_num_seqs}; trainer micro_batch_size={cfg.trainer.micro_batch_size}.\n\n"
+        f"max_num_seqs={s.max_num_seqs}; trainer micro_batch_size={cfg.trainer.micro_batch_size}, "
+        f"micro_batch_tokens={cfg.trainer.micro_batch_tokens}, logprob_chunk_tokens={cfg.trainer.logprob_chunk_tokens}, "
+        f"compile={cfg.trainer.compile}.\n\n"
         + table(["part", "median ms", "share of step"], rows)
         + f"\nGeneration {med['gen_tokens_per_s']:.0f} tokens/s inside the loop; trainer-vs-generator "
         f"logprob mismatch: median per-step max {med['mismatch_max']:.2e}, mean {med['mismatch_mean']:.2e}; "
@@ -124,6 +134,13 @@ def main() -> None:
         f"Sync = {100 * med['sync'] / med['step_s']:.3f}% of the step. Peak GPU memory allocated through "
         f"torch (trainer + generator, one process): {summary['peak_gpu_mem_gib']:.1f} GiB. "
         f"Whole run incl. startup: {wall:.0f} s.\n"
+    )
+    rates = [s["gen_tokens_per_s"] for s in kept]
+    body += (
+        f"\nGeneration per step, steps {args.skip}..{args.steps - 1}: min {min(rates):.0f}, median "
+        f"{statistics.median(rates):.0f}, max {max(rates):.0f} tokens/s (spread (max - min) / median "
+        f"{100 * (max(rates) - min(rates)) / statistics.median(rates):.1f}%); every step: "
+        + ", ".join(f"{s['gen_tokens_per_s'] / 1e3:.1f}k" for s in steps) + ".\n"
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mode = ", batch-invariant" if cfg.batch_invariant_mode else ""

@@ -10,6 +10,10 @@
 #                SYNC_METHODS, default "ipc ours reload"; SYNC_MERGE=earlier sync.json to update)
 #   grpo         scripts/gpu/grpo_loop.py on run_configs/qwen3_0.6b.toml (GRPO_STEPS, default 20)
 #   grpo_bi      the same with batch_invariant_mode = true (results in $OUT/grpo_bi/)
+#   trainer      scripts/bench_trainer.py on run_configs/qwen3_0.6b.toml: recompute and fwd+bwd tokens/s, MFU,
+#                peak memory per trainer setting (TRAINER_ARGS: e.g. "--ragged", "--profile", "--variants ...")
+#   drift        scripts/gpu/gen_drift.py: the loop's own command (simple_grpo main, the config's checkpoints)
+#                for DRIFT_STEPS (default 22) steps with per-step generation diagnostics; DRIFT_ARGS for overrides
 #   generation   scripts/bench_generation.py                  (GEN_MODES, default "graphs eager")
 #   startup      scripts/bench_startup.py
 #   bitwise      scripts/check_bitwise_identity.py on run_configs/qwen3_0.6b.toml (BITWISE_BATCHES, default "1 7 64")
@@ -47,6 +51,9 @@ for name in "$@"; do
     grpo)        python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT" ;;
     grpo_bi)     python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT/grpo_bi" \
                    --batch_invariant_mode true ;;
+    trainer)     python3 scripts/bench_trainer.py --config run_configs/qwen3_0.6b.toml ${TRAINER_ARGS:-} \
+                   --json "$OUT/trainer.json" ;;
+    drift)       python3 scripts/gpu/gen_drift.py --steps "${DRIFT_STEPS:-22}" --out "$OUT/drift.json" ${DRIFT_ARGS:-} ;;
     generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
     startup)     python3 scripts/bench_startup.py --json "$OUT/startup.json" ;;
     bitwise)     python3 scripts/check_bitwise_identity.py --config "${BITWISE_CONFIG:-run_configs/qwen3_0.6b.toml}" \

@@ -2,7 +2,8 @@
 
 argv: batch.pt out_dir. Writes out_dir/rank{r}.pt with what each phase saw.
 
-FSDP (dp_shard=2): rank r takes rows SPLITS[r] of the global batch (uneven
+FSDP (dp_shard=2, fp32 compute: see test_fsdp_step_equals_single_process_full_batch):
+rank r takes rows SPLITS[r] of the global batch (uneven
 on purpose: the ranks run different numbers of micro-batches), computes
 logprobs, trains one step, gathers the full parameters; then a 2-rank
 checkpoint round trip: save, step, reload into a new Trainer, step.
@@ -33,10 +34,10 @@ def main() -> None:
     full = torch.load(batch_path)
     shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
 
-    def make_trainer(**parallelism) -> Trainer:
+    def make_trainer(dtype: str = "float32", **parallelism) -> Trainer:
         return Trainer(
             TrainerConfig(micro_batch_size=2, parallelism=ParallelismConfig(**parallelism)),
-            model_config=ModelConfig(), shape=shape,
+            model_config=ModelConfig(dtype=dtype), shape=shape,
             seed=0, device=torch.device("cpu"), output_dir=out_dir,
         )
 
@@ -55,7 +56,7 @@ def main() -> None:
     resumed.load_latest_checkpoint()
     second_resumed = resumed.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
 
-    tp = make_trainer(tensor_parallel_degree=2)
+    tp = make_trainer("bfloat16", tensor_parallel_degree=2)
     assert tp.dp_size == 1
     whole = TrainBatch(**full)
     tp_logprobs = tp.token_logprobs(whole.tokens_BL, temperature=1.0)

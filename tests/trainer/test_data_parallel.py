@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_rl.config.job_config import GRPOConfig
+from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig
 
 from tests.helpers import free_port
 
@@ -49,19 +49,21 @@ def test_fsdp_ranks_end_with_identical_full_parameters(two_ranks):
 
 def test_fsdp_step_equals_single_process_full_batch(two_ranks, make_trainer):
     batch, (r0, r1) = two_ranks
-    single = make_trainer(micro_batch_size=2)
+    # fp32, as the worker's FSDP trainer: a rank's micro-batches are cut to their longest row, so
+    # a row meets other GEMM shapes than in one process, which bf16 kernels may round differently.
+    single = make_trainer(micro_batch_size=2, model_config=ModelConfig(dtype="float32"))
     logprobs = single.token_logprobs(batch.tokens_BL, temperature=1.0)
     metrics = single.train_step(batch, temperature=1.0, grpo=GRPOConfig())
 
-    # Per row, the forward is the same bf16 computation in both layouts (1e-6: fp32 log-softmax rounding only).
-    torch.testing.assert_close(r0["logprobs"], logprobs[SPLITS[0]], rtol=0, atol=1e-6)
-    torch.testing.assert_close(r1["logprobs"], logprobs[SPLITS[1]], rtol=0, atol=1e-6)
+    # Per row, the forward is the same fp32 computation in both layouts, up to the order of sums.
+    torch.testing.assert_close(r0["logprobs"], logprobs[SPLITS[0]], rtol=0, atol=1e-5)
+    torch.testing.assert_close(r1["logprobs"], logprobs[SPLITS[1]], rtol=0, atol=1e-5)
     # The loss is a sum of fp32 per-token terms over the global token count;
-    # only the order of that sum differs (across micro-batches and ranks).
+    # only the order of sums differs (GEMM shapes, micro-batches and ranks).
     assert r0["metrics"]["tokens"] == metrics["tokens"]
-    assert r0["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-6)  # fp32 sums of ~100 terms: ~1e-7 relative
-    # Gradients: bf16 per-rank partial sums reduced in fp32; 1e-3 relative is a few bf16 steps (2^-9 = 2e-3 each) averaged over the norm.
-    assert r0["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-3)
+    assert r0["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=2e-6)  # measured <= 2e-7 relative
+    # Gradients: per-rank fp32 partial sums reduced in fp32, in another order.
+    assert r0["metrics"]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-5)
 
 
 def test_two_rank_checkpoint_resume_is_exact(two_ranks):

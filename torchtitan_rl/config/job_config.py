@@ -114,7 +114,17 @@ class TrainerConfig:
     steps: int = 40
     """Number of GRPO steps (one sync, rollout and optimizer step each)."""
     micro_batch_size: int = 64
-    """Sequences per forward/backward on one rank; gradients accumulate over them."""
+    """Most sequences per forward/backward on one rank; gradients accumulate over them."""
+    micro_batch_tokens: int = 0
+    """Token budget of a micro-batch (rows x its longest row, rows sorted by length); 0: micro_batch_size rows only."""
+    recompute_micro_batch_tokens: int = 0
+    """Token budget of the logprob recompute's micro-batches (no grad: no activations kept, so it can be far larger); 0: micro_batch_tokens."""
+    logprob_chunk_tokens: int = 2048
+    """Tokens whose [tokens, vocab] logits exist at once (lm_head + log-softmax in chunks); 0: whole micro-batch logits. Batch-invariant mode keeps whole logits."""
+    compile: bool = False
+    """torch.compile each decoder block and the chunked log-softmax; ignored in batch_invariant_mode (its own kernels)."""
+    activation_checkpoint: Literal["none", "full"] = "none"
+    """full: keep only each block's input and recompute the block in backward (memory for ~1/3 more compute)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
 

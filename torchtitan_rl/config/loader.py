@@ -181,6 +181,8 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _at_least(cfg, 0, "trainer.checkpoint.keep_latest", "trainer.lr_scheduler.warmup_steps")
     _at_least(cfg, 0, "model.vocab_size", "trainer.max_grad_norm", "trainer.optimizer.lr")
     _at_least(cfg, 0, "trainer.optimizer.weight_decay", "grpo.kl_coef")
+    _at_least(cfg, 0, "trainer.micro_batch_tokens", "trainer.recompute_micro_batch_tokens")
+    _at_least(cfg, 0, "trainer.logprob_chunk_tokens")
     _at_least(cfg, 0, "generator.sampling.temperature", "generator.wait_for_weights_s")
     _at_least(cfg, 2, "grpo.group_size")
     _at_least(cfg, 0, "grpo.max_staleness")

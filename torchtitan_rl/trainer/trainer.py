@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -34,7 +35,9 @@ from torchtitan_rl.trainer.distributed import (
     set_determinism,
 )
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
+from torchtitan_rl.trainer.logprobs import chunked_token_logprobs
 from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler
+from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
 from torchtitan.config import CompileConfig, TrainingConfig
 from torchtitan.config import ParallelismConfig as TitanParallelismConfig
 from torchtitan.models.qwen3 import parallelize_qwen3
@@ -75,6 +78,9 @@ class Trainer:
     ) -> None:
         if config.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {config.micro_batch_size}")
+        for name in ("micro_batch_tokens", "recompute_micro_batch_tokens", "logprob_chunk_tokens"):
+            if getattr(config, name) < 0:
+                raise ValueError(f"trainer.{name}: must be >= 0, got {getattr(config, name)}")
         if config.max_grad_norm < 0:
             raise ValueError(f"trainer.max_grad_norm: must be >= 0, got {config.max_grad_norm}")
         self.config = config
@@ -115,6 +121,20 @@ class Trainer:
         if model_config.lora.rank:
             torch.manual_seed(seed)  # adapter init, the same on every rank
             apply_lora(model, model_config.lora)
+        # Batch-invariant mode keeps whole logits (its sampler kernels read them) and its own
+        # uncompiled kernels; tensor parallel keeps them too (its lm_head output is vocab-sharded).
+        self._compile = config.compile and not batch_invariant
+        self._chunk_tokens = 0
+        """>0: the model returns final hidden states and logprobs come from trainer/logprobs.py."""
+        if config.logprob_chunk_tokens and not batch_invariant and self.parallel_dims.tp == 1:
+            assert not hasattr(model.lm_head, "lora_a"), "lm_head is no LoRA target (config.loader checks)"
+            self._chunk_tokens = config.logprob_chunk_tokens
+            # The lm_head module stays in the forward (FSDP's hooks unshard its weight and
+            # keep it unsharded for the backward), but returns its input: the matmul is ours.
+            model.lm_head.forward = _identity
+        if config.activation_checkpoint == "full":
+            for block in model.layers.values():
+                _checkpoint_forward(block)
         self.model = parallelize_qwen3(
             model,
             parallel_dims=self.parallel_dims,
@@ -122,7 +142,7 @@ class Trainer:
                 mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32"
             ),
             parallelism=titan_parallelism,
-            compile_config=CompileConfig(enable=False),
+            compile_config=CompileConfig(enable=self._compile, components=["model"]),
             ac_config=None,
             dump_folder=str(self.output_dir),
         )
@@ -162,21 +182,29 @@ class Trainer:
 
     # ----------------------------------------------------------------- logprobs
 
-    def token_logprobs(self, tokens_BL: torch.Tensor, *, temperature: float) -> torch.Tensor:
-        """float32 [B, L]: log p(tokens_BL[:, t] | tokens_BL[:, :t]) at temperature; column 0 is 0."""
+    def token_logprobs(
+        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 [B, L]: log p(tokens_BL[:, t] | tokens_BL[:, :t]) at temperature; column 0 is 0.
+
+        mask_BL: positions whose logprob is wanted (the loss mask); the others
+        are 0 and cost nothing (padding past a row's last one is not computed).
+        None: every position of every row.
+        """
         _check_temperature(temperature)
+        score_BL = _score_positions(tokens_BL, mask_BL)
         tokens_BL = tokens_BL.to(self.device)
-        out = []
+        out_BL = torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad(), deterministic_algorithms():
-            for rows in self._micro_batches(tokens_BL.shape[0]):
-                if rows is None:
-                    self._logprobs(_dummy_tokens(tokens_BL), temperature)
-                else:
-                    out.append(self._logprobs(tokens_BL[rows], temperature))
+            budget = self.config.recompute_micro_batch_tokens or self.config.micro_batch_tokens
+            for mb in self._micro_batches(score_BL, max_tokens=budget):
+                if mb is None:
+                    self._logprobs(_dummy_tokens(tokens_BL), temperature, None)
+                    continue
+                rows, cols = mb.rows.to(self.device), slice(0, mb.length)
+                out_BL[rows, cols] = self._logprobs(tokens_BL[rows, cols], temperature, score_BL[mb.rows, cols])
         self._reshard()
-        if not out:
-            return torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
-        return torch.cat(out)
+        return out_BL
 
     def _reshard(self) -> None:
         """Register the fp32 shards again after no-grad forwards.
@@ -189,32 +217,52 @@ class Trainer:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def _logprobs(self, tokens_BL: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _logprobs(self, tokens_BL: torch.Tensor, temperature: float, score_BL: torch.Tensor | None) -> torch.Tensor:
+        """float32 [B, L] logprobs at the positions score_BL (CPU bool; None: all but column 0), 0 elsewhere."""
+        if score_BL is None:
+            score_BL = _score_positions(tokens_BL, None)
+        if self._chunk_tokens:
+            return self._chunked_logprobs(tokens_BL, temperature, score_BL)
         logits_BLV = self.model(tokens_BL)
         if isinstance(logits_BLV, DTensor):  # tensor parallel: vocab-sharded logits
             logits_BLV = logits_BLV.full_tensor()
         if self._sampler_logprobs:
-            return F.pad(sampler_token_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], temperature), (1, 0))
-        # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
-        logits_BLV = logits_BLV[:, :-1].float() / temperature
-        logprobs_BL = torch.log_softmax(logits_BLV, dim=-1)
-        logprobs_BL = logprobs_BL.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
-        return F.pad(logprobs_BL, (1, 0))  # position 0 has no context to be predicted from
+            logprobs_BL = F.pad(sampler_token_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], temperature), (1, 0))
+        else:
+            # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
+            logits_BLV = logits_BLV[:, :-1].float() / temperature
+            logprobs_BL = torch.log_softmax(logits_BLV, dim=-1)
+            logprobs_BL = logprobs_BL.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
+            logprobs_BL = F.pad(logprobs_BL, (1, 0))  # position 0 has no context to be predicted from
+        return torch.where(score_BL.to(self.device), logprobs_BL, 0.0)
 
-    def _micro_batches(self, batch_size: int) -> list[slice | None]:
-        """This rank's micro-batch row slices, padded with None to the most any rank has.
+    def _chunked_logprobs(self, tokens_BL: torch.Tensor, temperature: float, score_BL: torch.Tensor) -> torch.Tensor:
+        hidden_BLD = self.model(tokens_BL)  # lm_head returns its input: the final normed hidden states
+        weight_VD = self.model.lm_head.weight
+        # After the forward FSDP holds the lm_head group unsharded (it is not resharded after
+        # forward), so this is the compute-dtype weight whose gradient FSDP reduces.
+        assert not isinstance(weight_VD, DTensor), "lm_head weight still sharded after the forward"
+        b_N, t_N = (i.to(self.device) for i in score_BL.nonzero(as_tuple=True))
+        logprobs_N = chunked_token_logprobs(
+            hidden_BLD[b_N, t_N - 1], weight_VD, tokens_BL[b_N, t_N],
+            temperature=temperature, chunk_tokens=self._chunk_tokens, compile=self._compile,
+        )
+        out_BL = hidden_BLD.new_zeros(tokens_BL.shape, dtype=torch.float32)
+        return out_BL.index_put((b_N, t_N), logprobs_N)
+
+    def _micro_batches(self, score_BL: torch.Tensor, *, max_tokens: int) -> list[MicroBatch | None]:
+        """This rank's micro-batches (trainer/micro_batches.py), padded with None to the most any rank has.
 
         FSDP all-gathers parameters in every forward and reduce-scatters in every
         backward, so all ranks must run the same number of micro-batches.
         """
-        size = self.config.micro_batch_size
-        slices = [slice(i, i + size) for i in range(0, batch_size, size)]
-        count = len(slices)
+        batches = plan(row_lengths(score_BL), max_rows=self.config.micro_batch_size, max_tokens=max_tokens)
+        count = len(batches)
         if dist.get_world_size() > 1:
             count_t = torch.tensor(count, device=self.device)
             dist.all_reduce(count_t, op=dist.ReduceOp.MAX)
             count = int(count_t.item())
-        return slices + [None] * (count - len(slices))
+        return batches + [None] * (count - len(batches))
 
     # ------------------------------------------------------------------- train
 
@@ -226,6 +274,7 @@ class Trainer:
         if grpo.kl_coef > 0 and batch.ref_logprobs_BL is None:
             raise ValueError("grpo.kl_coef: > 0 needs TrainBatch.ref_logprobs_BL")
         tokens_BL = batch.tokens_BL.to(self.device)
+        mask_cpu_BL = batch.loss_mask_BL.cpu()  # the micro-batch plan is made on the host: no device syncs
         mask_BL = batch.loss_mask_BL.to(self.device)
         old_BL = batch.old_logprobs_BL.to(self.device)
         adv_B = batch.advantages_B.to(self.device)
@@ -244,7 +293,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             totals = self._accumulate_gradients(
                 tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
-                temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
+                mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
             )
             grad_norm = self._clip_grad_norm()
             lr = self.optimizer.param_groups[0]["lr"]
@@ -273,6 +322,7 @@ class Trainer:
         adv_B: torch.Tensor,
         ref_BL: torch.Tensor | None,
         *,
+        mask_cpu_BL: torch.Tensor,
         temperature: float,
         grpo: GRPOConfig,
         num_tokens: int,
@@ -283,22 +333,23 @@ class Trainer:
         The sums: loss, tokens, and token-weighted clip_fraction, kl, ratio_mean.
         """
         totals = [0.0] * 5
-        for rows in self._micro_batches(tokens_BL.shape[0]):
-            if rows is None:
+        for mb in self._micro_batches(mask_cpu_BL, max_tokens=self.config.micro_batch_tokens):
+            if mb is None:
                 # Another rank has more micro-batches: join its collectives, add nothing.
-                (self._logprobs(_dummy_tokens(tokens_BL), temperature).sum() * 0.0).backward()
+                (self._logprobs(_dummy_tokens(tokens_BL), temperature, None).sum() * 0.0).backward()
                 continue
+            rows, cols = mb.rows.to(self.device), slice(0, mb.length)
             loss, m = grpo_loss(
-                self._logprobs(tokens_BL[rows], temperature),
-                old_BL[rows],
+                self._logprobs(tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool()),
+                old_BL[rows, cols],
                 adv_B[rows],
-                mask_BL[rows],
+                mask_BL[rows, cols],
                 clip_eps_low=grpo.clip_eps_low,
                 clip_eps_high=grpo.clip_eps_high,
-                ref_logprobs_BT=ref_BL[rows] if ref_BL is not None else None,
+                ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
                 kl_coef=grpo.kl_coef,
                 num_tokens=num_tokens,
-                is_weights_BT=is_BL[rows] if is_BL is not None else None,
+                is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
             )
             loss.backward()
             n = m["tokens"]
@@ -389,6 +440,36 @@ def _build_model(
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"generator.sampling.temperature: must be > 0, got {temperature}")
+
+
+def _score_positions(tokens_BL: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
+    """CPU bool [B, L]: the positions whose logprob is computed (mask_BL, else all but column 0)."""
+    if mask_BL is not None:
+        assert mask_BL.shape == tokens_BL.shape, (mask_BL.shape, tokens_BL.shape)
+        assert not mask_BL[:, 0].any(), "position 0 has no logprob"
+        return mask_BL.bool().cpu()
+    score_BL = torch.ones(tokens_BL.shape, dtype=torch.bool)
+    score_BL[:, 0] = False
+    return score_BL
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _checkpoint_forward(block: torch.nn.Module) -> None:
+    """Activation checkpointing of one decoder block, in place.
+
+    The block's forward is wrapped rather than the block (torchtitan's
+    checkpoint_wrapper), so parameter names, which the sync plan and the
+    checkpoints use, do not change.
+    """
+    forward = block.forward
+
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
 
 
 def _dummy_tokens(tokens_BL: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""Token logprobs from the final hidden states, a chunk of tokens at a time: no [B, L, V] logits.
+
+The plain path (``log_softmax(lm_head(h).float() / T).gather(token)``) holds a
+micro-batch's logits three to five times over ([32, 280, 151936]: 2.7 GB in
+bf16, 5.4 GB per fp32 copy), and its elementwise passes over them cost more
+than the lm_head matmul itself. Here the lm_head matmul and the log-softmax run
+over ``chunk_tokens`` rows at a time; the forward keeps only the hidden states
+(autograd saves those anyway) and the backward recomputes each chunk's logits
+(one more [chunk, D] x [D, V] matmul) to form their gradient, which it turns
+into the hidden-state and weight gradients at once. Peak extra memory: one
+chunk's logits and their gradient.
+
+Per chunk the ops are the plain path's: bf16 logits, cast to fp32, divided by
+the temperature, log_softmax, gather. A row's value can differ from the plain
+path only where the matmul's kernel depends on how many rows it is given
+(the chunk vs the whole micro-batch), i.e. by bf16 rounding of a logit.
+Batch-invariant mode does not use this module (the trainer keeps its plain,
+bitwise-checked path there).
+
+With ``compile=True`` (CUDA) the per-chunk elementwise work (cast, scale,
+log-softmax, gather; in backward softmax minus one-hot) is fused by
+torch.compile into a few passes over the bf16 logits, where eager runs about
+ten passes over fp32 copies.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _chunk_logprobs(logits_CV: Tensor, targets_C: Tensor, temperature: float) -> Tensor:
+    """float32 [C]: log softmax(logits / T)[target], as vLLM's sampler (fp32 logits, then temperature)."""
+    logprobs_CV = torch.log_softmax(logits_CV.float() / temperature, dim=-1)
+    return logprobs_CV.gather(-1, targets_C[:, None]).squeeze(-1)
+
+
+def _chunk_grad_logits(logits_CV: Tensor, targets_C: Tensor, grad_C: Tensor, temperature: float) -> Tensor:
+    """d(sum_c grad_c * logprob_c) / d logits, in the logits' dtype (what autograd gives the plain path)."""
+    probs_CV = torch.softmax(logits_CV.float() / temperature, dim=-1)
+    onehot_CV = torch.arange(logits_CV.shape[-1], device=logits_CV.device) == targets_C[:, None]
+    grad_CV = (onehot_CV.float() - probs_CV) * (grad_C.float()[:, None] / temperature)
+    return grad_CV.to(logits_CV.dtype)
+
+
+@functools.cache
+def _kernels(compiled: bool):
+    if not compiled:
+        return _chunk_logprobs, _chunk_grad_logits
+    # dynamic: the last chunk of a micro-batch is shorter; one graph for every length.
+    return (
+        torch.compile(_chunk_logprobs, dynamic=True),
+        torch.compile(_chunk_grad_logits, dynamic=True),
+    )
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile):
+        logprobs_fn, _ = _kernels(compile)
+        out_N = hidden_ND.new_empty(hidden_ND.shape[0], dtype=torch.float32)
+        for start in range(0, hidden_ND.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            out_N[rows] = logprobs_fn(F.linear(hidden_ND[rows], weight_VD), targets_N[rows], temperature)
+        ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
+        ctx.temperature, ctx.chunk_tokens, ctx.compile = temperature, chunk_tokens, compile
+        return out_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        hidden_ND, weight_VD, targets_N = ctx.saved_tensors
+        _, grad_fn = _kernels(ctx.compile)
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden_ND) if want_hidden else None
+        # fp32 accumulator: each chunk's bf16 product is rounded once, the sum over chunks is not.
+        grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if want_weight else None
+        for start in range(0, hidden_ND.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            h_CD = hidden_ND[rows]
+            g_CV = grad_fn(F.linear(h_CD, weight_VD), targets_N[rows], grad_N[rows], ctx.temperature)
+            if want_hidden:
+                grad_hidden[rows] = g_CV @ weight_VD
+            if want_weight:
+                grad_weight += (g_CV.t() @ h_CD).float()
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight_VD.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunked_token_logprobs(
+    hidden_ND: Tensor,
+    weight_VD: Tensor,
+    targets_N: Tensor,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    compile: bool = False,
+) -> Tensor:
+    """float32 [N]: log p(targets_N[n]) under logits ``hidden_ND[n] @ weight_VD.T`` at ``temperature``.
+
+    hidden_ND: the decoder's final (normed) hidden states of the positions
+    that predict the targets; weight_VD: the lm_head weight, in the compute
+    dtype. Differentiable in both; memory for logits is one chunk's.
+    """
+    assert chunk_tokens > 0, chunk_tokens
+    assert hidden_ND.dim() == 2 and targets_N.shape == hidden_ND.shape[:1], (hidden_ND.shape, targets_N.shape)
+    return _ChunkedTokenLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile)
