@@ -227,18 +227,18 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
         synchronize(device.type)
         t = time.perf_counter()
         ch.put(f"raw/h/{i}", i)
-        _broadcast(world.pair, flat, root=0).wait()
+        _broadcast(world.group, flat, root=0).wait()
         ch.get(f"raw/a/{i}")
         times.append(time.perf_counter() - t)
     res["times"][RAW] = median(times[args.warmup:])
     ch.put("wire/go", 1)
     for _ in range(2):  # warm-up
-        _broadcast(world.pair, flat, root=0).wait()
+        _broadcast(world.group, flat, root=0).wait()
     synchronize(device.type)
     ch.get("wire/ready")
     t = time.perf_counter()
     for _ in range(args.repeats):
-        _broadcast(world.pair, flat, root=0).wait()
+        _broadcast(world.group, flat, root=0).wait()
     synchronize(device.type)
     res["times"][WIRE] = (time.perf_counter() - t) / args.repeats
     ch.get("wire/done")
@@ -339,14 +339,14 @@ def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=world.device)  # the sender's dtype and count
     for i in range(args.warmup + args.repeats):
         ch.get(f"raw/h/{i}")
-        _broadcast(world.pair, flat, root=0).wait()
+        _broadcast(world.group, flat, root=0).wait()
         synchronize(world.device.type)
         ch.put(f"raw/a/{i}", "ok")
     ch.get("wire/go")
     for _ in range(2):
-        _broadcast(world.pair, flat, root=0).wait()
+        _broadcast(world.group, flat, root=0).wait()
     synchronize(world.device.type)
-    works = [_broadcast(world.pair, flat, root=0) for _ in range(args.repeats)]
+    works = [_broadcast(world.group, flat, root=0) for _ in range(args.repeats)]
     ch.put("wire/ready", 1)  # all receives posted before the trainer starts its clock
     for w in works:
         w.wait()

@@ -4,8 +4,8 @@ Each step: sync -> generate -> score -> advantages -> recompute logprobs ->
 loss + optimizer step -> log. Every rank runs this file (torchrun for more
 than one). Where the vLLM generator runs is weight_sync.transport:
 "inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
-the last torchrun rank, its own device (generator/remote.py), the other
-ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
+the last torchrun rank(s), each its own device (generator/remote.py; R
+replicas split each batch), the other ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
 HTTP (generator/server_client.py). The step body is the same for all three
 (generator/base.py is all it knows of them). With grpo.max_staleness = S > 0
 the rollouts of step k are requested S steps early, right after that step's
@@ -77,7 +77,8 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.weight_sync.transport == "nccl":
         # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        world = init_world(device.type)  # before the Trainer, which then takes the trainer ranks' default group
+        # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
+        world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree)
         if world.role == "generator":
             serve(cfg, world=world, shape=shape, workdir=out)
             return []

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from tests.helpers import PROMPTS, assert_serves, make_generator, native_state, tiny_shape, trainer_model
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.generator.generator import WeightsNotSyncedError
+from torchtitan_rl.generator.generator import Rollouts, WeightsNotSyncedError, prompt_blocks
 from torchtitan_rl.weight_sync import WeightSync
 
 
@@ -55,6 +55,20 @@ def test_same_seed_gives_same_rollouts(unsynced):
     a = unsynced.generate(PROMPTS, n=2, seed=7)
     b = unsynced.generate(PROMPTS, n=2, seed=7)
     assert a.completion_ids == b.completion_ids
+
+
+@pytest.mark.bf16_numerics  # rows of other batch shapes round alike: checked on AVX2 kernels too (test_cpu_kernels)
+def test_prompt_blocks_seeded_by_their_global_index_sample_the_whole_batch(unsynced):
+    # What R generator replicas do with one request: each samples a contiguous block, seeded from its
+    # first prompt's index in the request; the blocks in order are the batch one engine samples.
+    assert prompt_blocks(5, 2) == [(0, 3), (3, 5)] and prompt_blocks(1, 3) == [(0, 1), (1, 1), (1, 1)]
+    whole = unsynced.generate(PROMPTS, n=2, seed=7)
+    parts = [unsynced.generate(PROMPTS[a:b], n=2, seed=7, first_prompt=a) for a, b in prompt_blocks(len(PROMPTS), 2)]
+    joined = Rollouts.concat(parts)
+    assert joined.prompt_ids == whole.prompt_ids and joined.completion_ids == whole.completion_ids
+    assert joined.weight_version == whole.weight_version
+    # Without the offset the second block would draw the first prompts' seeds: other samples.
+    assert unsynced.generate(PROMPTS[2:], n=2, seed=7).completion_ids != whole.completion_ids[4:]
 
 
 @pytest.mark.bf16_numerics

@@ -1,15 +1,16 @@
-"""Run by test_nccl_transport under torchrun: 3 processes, gloo, CPU.
+"""Run by test_nccl_transport under torchrun: 2 + R processes, gloo, CPU.
 
-argv: out_dir [flavor: tiny (Qwen3, default) or tiny-llama]. Ranks 0 and 1 are an FSDP trainer (their default process group
-has 2 ranks), rank 2 is the generator (vLLM in process). Rank 0 writes
-out_dir/result.json, rank 2 out_dir/generator.json.
+argv: out_dir [flavor: tiny (Qwen3, default) or tiny-llama] [replicas R, default 1]. Ranks 0 and 1 are an FSDP
+trainer (their default process group has 2 ranks), ranks 2..2+R-1 are generator replicas (vLLM in process
+each), fed by one broadcast group. Rank 0 writes out_dir/result.json, replica r out_dir/generator{r}.json.
 
 1. sync version 1 (4 KiB buckets: many buckets, both buffers reused);
-   the generator samples, the trainer scores the same tokens.
+   every replica samples the same prompts and seeds, the trainer scores
+   each replica's tokens.
 2. a NaN in one shard on rank 1 only: the first buckets go out while the
-   scan runs, its verdict rejects the sync on both trainer ranks and on the
-   generator, which wrote nothing: it still serves version 1 and samples
-   exactly what it did before.
+   scan runs, its verdict rejects the sync on both trainer ranks and on
+   every replica, which wrote nothing: each still serves version 1 and
+   samples exactly what it did before.
 3. new weights, version 2, received on a background thread while the
    trainer holds the data back for 1 s; generate() is called once the sync
    has begun and must wait for it, then serve version 2.
@@ -49,15 +50,16 @@ def get(world, key: str):
 
 
 def generator_main(world, out_dir: Path, flavor: str) -> None:
-    gen = make_generator(out_dir / "generator", flavor=flavor, wait_for_weights_s=60.0)
+    r = world.replica
+    gen = make_generator(out_dir / f"generator{r}", flavor=flavor, wait_for_weights_s=60.0)
     receiver = NcclReceiver(generator=gen, world=world)
     record = {"plan_entries": len(receiver.plan.entries), "constants": len(receiver.plan.constants),
-              "default_world": dist.get_world_size()}
+              "default_world": dist.get_world_size(), "replica": r}
 
     stats = receiver.receive()
     record["sync1"] = {"version": stats.version, "bytes": stats.bytes_written, "verified": stats.tensors_verified}
     r1 = gen.generate(PROMPTS, n=N, seed=1)
-    put(world, "r1", r1.__dict__)
+    put(world, f"r1/{r}", r1.__dict__)
 
     t0 = time.perf_counter()
     rejected = receiver.receive()  # drains the buckets sent ahead of the verdict
@@ -68,7 +70,7 @@ def generator_main(world, out_dir: Path, flavor: str) -> None:
     }
     again = gen.generate(PROMPTS, n=N, seed=1)
     record["after_reject"]["same_completions"] = again.completion_ids == r1.completion_ids
-    put(world, "r1_again", again.__dict__)
+    put(world, f"r1_again/{r}", again.__dict__)
 
     result = {}
     thread = threading.Thread(target=lambda: result.update(stats=receiver.receive()))
@@ -83,8 +85,8 @@ def generator_main(world, out_dir: Path, flavor: str) -> None:
     }
     thread.join()
     record["sync2"] = {"version": result["stats"].version, "bytes": result["stats"].bytes_written}
-    put(world, "r2", r2.__dict__)
-    (out_dir / "generator.json").write_text(json.dumps(record, indent=1))
+    put(world, f"r2/{r}", r2.__dict__)
+    (out_dir / f"generator{r}.json").write_text(json.dumps(record, indent=1))
     get(world, "done")
 
 
@@ -108,9 +110,17 @@ def trainer_main(world, out_dir: Path, flavor: str) -> None:
                         bucket_bytes=4096)
     record["buckets"] = len(_buckets(sender.ws.keys, sender.nbytes, sender.bucket_bytes))
 
+    replicas = range(world.replicas)
+    record["replicas"] = world.replicas
     stats = sender.sync(trainer.sync_state(), version=1)
     record["sync1"] = {"bytes": stats.bytes_written, "verified": stats.tensors_verified}
-    record["v1_gen_vs_trainer"] = score(trainer, Rollouts(**get(world, "r1")))
+    r1 = [get(world, f"r1/{r}") for r in replicas]
+    record["v1_gen_vs_trainer"] = [score(trainer, Rollouts(**x)) for x in r1]
+    # Same weights, prompts and seeds, same batch: every replica's samples and logprobs, bit for bit.
+    record["replicas_agree"] = all(
+        (x["completion_ids"], x["logprobs"], x["weight_version"]) ==
+        (r1[0]["completion_ids"], r1[0]["logprobs"], r1[0]["weight_version"]) for x in r1
+    )
 
     # A NaN in rank 1's shard only: the sender (rank 0) holds clean shards.
     key = "layers.1.feed_forward.w2.weight"
@@ -128,7 +138,9 @@ def trainer_main(world, out_dir: Path, flavor: str) -> None:
     record["syncs_after_reject"] = sender.syncs
     if rank == 0:
         put(world, "rejected", True)
-    record["after_reject_gen_vs_trainer"] = score(trainer, Rollouts(**get(world, "r1_again")))
+    record["after_reject_gen_vs_trainer"] = [
+        score(trainer, Rollouts(**get(world, f"r1_again/{r}"))) for r in replicas
+    ]
 
     # New weights everywhere; the data of sync 2 is held back so the generator's call races it.
     locals_ = [p.to_local() for p in trainer.model.parameters()]
@@ -147,12 +159,12 @@ def trainer_main(world, out_dir: Path, flavor: str) -> None:
         sender._send = held_send
     stats = sender.sync(trainer.sync_state(), version=2)
     record["sync2"] = {"bytes": stats.bytes_written, "verified": stats.tensors_verified}
-    r2 = Rollouts(**get(world, "r2"))
-    record["v2_gen_vs_trainer"] = score(trainer, r2)
+    r2 = [Rollouts(**get(world, f"r2/{r}")) for r in replicas]
+    record["v2_gen_vs_trainer"] = [score(trainer, x) for x in r2]
     with torch.no_grad():
         v2 = [t.detach().clone() for t in locals_]
         torch._foreach_copy_(locals_, v1)
-        record["v2_rollouts_vs_v1_trainer"] = score(trainer, r2)
+        record["v2_rollouts_vs_v1_trainer"] = [score(trainer, x) for x in r2]
         torch._foreach_copy_(locals_, v2)
     if rank == 0:
         (out_dir / "result.json").write_text(json.dumps(record, indent=1))
@@ -163,7 +175,8 @@ def trainer_main(world, out_dir: Path, flavor: str) -> None:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     flavor = sys.argv[2] if len(sys.argv) > 2 else "tiny"
-    world = init_world("cpu")
+    replicas = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    world = init_world("cpu", replicas=replicas)
     if world.role == "generator":
         generator_main(world, out_dir, flavor)
     else:

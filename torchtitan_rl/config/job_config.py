@@ -60,9 +60,9 @@ class ParallelismConfig:
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 takes all ranks left after the other degrees."""
     data_parallel_replicate_degree: int = 1
-    """DDP (replicate) degree."""
+    """Trainer: DDP (replicate) degree. Generator: replicas R, each a whole vLLM engine on its own rank and device (weight_sync.transport nccl: the last R torchrun ranks; each batch's prompts split over them in contiguous blocks, one broadcast per bucket feeds all)."""
     tensor_parallel_degree: int = 1
-    """Tensor-parallel degree (generator: vLLM tensor_parallel_size)."""
+    """Tensor-parallel degree (generator: vLLM tensor_parallel_size; must be 1 for now, docs/scaling.md)."""
 
 
 @dataclass(kw_only=True)
@@ -146,7 +146,7 @@ class GeneratorConfig:
     parallelism: ParallelismConfig = field(
         default_factory=lambda: ParallelismConfig(data_parallel_shard_degree=1)
     )
-    """How the generator is laid out (tensor_parallel_degree -> vLLM TP)."""
+    """How the generator is laid out (data_parallel_replicate_degree: replicas; tensor_parallel_degree -> vLLM TP)."""
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory vLLM may take (weights + KV cache)."""
     kv_cache_memory_gb: float = 0.25
@@ -238,7 +238,7 @@ class WeightSyncConfig:
     enable: bool = True
     """Push trainer weights to the generator each step (false: negative control)."""
     transport: Literal["inplace", "nccl", "server"] = "inplace"
-    """inplace: generator in trainer rank 0's process; nccl: generator on the last torchrun rank, own device; server: a rollout server (python -m torchtitan_rl.serve) at serve.host:serve.port."""
+    """inplace: generator in trainer rank 0's process; nccl: generator replicas on the last torchrun ranks (generator.parallelism.data_parallel_replicate_degree, default 1), own devices; server: a rollout server (python -m torchtitan_rl.serve) at serve.host:serve.port."""
     bucket_mb: int = 512
     """Largest bucket of gathered/cast tensors in flight, in MiB."""
     verify: Literal["off", "sampled", "full"] = "sampled"

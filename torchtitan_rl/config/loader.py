@@ -231,13 +231,21 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _check_task(cfg)
     _check_eval(cfg)
 
+    replicas = cfg.generator.parallelism.data_parallel_replicate_degree
     if cfg.weight_sync.transport == "nccl":
         _check_own_rank_generator(cfg, world_size)
-        world_size -= 1  # the last rank holds the generator; the trainer has the others
+        world_size -= replicas  # the last ranks hold the generator replicas; the trainer has the others
+    else:
+        if replicas != 1:
+            raise ValueError(
+                "generator.parallelism.data_parallel_replicate_degree: generator replicas each take a torchrun "
+                f"rank of their own (weight_sync.transport 'nccl'); with '{cfg.weight_sync.transport}' there is "
+                f"one engine, so it must be 1, got {replicas}"
+            )
+        _check_degrees(cfg.generator.parallelism, "generator.parallelism", world_size, exact=False)
     if cfg.weight_sync.transport == "server":
         check_serve(cfg)
     _check_degrees(cfg.trainer.parallelism, "trainer.parallelism", world_size, exact=True)
-    _check_degrees(cfg.generator.parallelism, "generator.parallelism", world_size, exact=False)
 
     if cfg.batch_invariant_mode:
         if cfg.model.dtype != "bfloat16":
@@ -334,26 +342,43 @@ def check_serve(cfg: JobConfig) -> None:
     if per_step > cfg.serve.max_n:
         raise ValueError(f"serve.max_n: {cfg.serve.max_n} is less than the {per_step} completions a step asks for "
                          "(grpo.prompts_per_step x grpo.group_size)")
-    if cfg.generator.parallelism.tensor_parallel_degree != 1:
-        raise ValueError(
-            "generator.parallelism.tensor_parallel_degree: the rollout server runs one engine on one device, "
-            f"so it must be 1, got {cfg.generator.parallelism.tensor_parallel_degree}"
-        )
+    for name in ("tensor_parallel_degree", "data_parallel_replicate_degree"):
+        if getattr(cfg.generator.parallelism, name) != 1:
+            raise ValueError(
+                f"generator.parallelism.{name}: the rollout server runs one engine on one device, "
+                f"so it must be 1, got {getattr(cfg.generator.parallelism, name)}"
+            )
 
 
 def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
-    """transport=nccl: trainer ranks + one generator rank, one device each (generator/remote.py)."""
-    if world_size < 2:
+    """transport=nccl: trainer ranks + R generator replicas, one rank and one device each (generator/remote.py)."""
+    par = cfg.generator.parallelism
+    replicas = par.data_parallel_replicate_degree
+    if replicas < 1:
+        raise ValueError(f"generator.parallelism.data_parallel_replicate_degree: must be >= 1, got {replicas}")
+    if world_size < replicas + 1:
+        ranks = "1 generator rank" if replicas == 1 else f"{replicas} generator replicas"
         raise ValueError(
             "weight_sync.transport: 'nccl' puts the generator on its own rank; run under torchrun with "
-            f">= 2 processes (trainer ranks + 1 generator rank), got world size {world_size}"
+            f">= {replicas + 1} processes (trainer ranks + {ranks}), got world size {world_size}"
         )
     if cfg.weight_sync.peer_timeout_s <= 0:
         raise ValueError(f"weight_sync.peer_timeout_s: must be > 0, got {cfg.weight_sync.peer_timeout_s}")
-    if cfg.generator.parallelism.tensor_parallel_degree != 1:
+    if par.data_parallel_shard_degree != 1:
         raise ValueError(
-            "generator.parallelism.tensor_parallel_degree: weight_sync.transport 'nccl' gives the generator "
-            f"one rank and one device, so it must be 1, got {cfg.generator.parallelism.tensor_parallel_degree}"
+            "generator.parallelism.data_parallel_shard_degree: a generator replica holds the whole model, so it "
+            f"must be 1, got {par.data_parallel_shard_degree} (more generator devices: "
+            "generator.parallelism.data_parallel_replicate_degree)"
+        )
+    if par.tensor_parallel_degree != 1:
+        # Not built: vLLM would need its TP group across our torchrun ranks (its CPU backend cannot: the engine
+        # runs in this process), the torchtitan decoder inside vLLM a TP plan over that group (it is built
+        # whole), and each rank's sync plan the slices of the trainer's tensors it holds (docs/scaling.md).
+        raise ValueError(
+            "generator.parallelism.tensor_parallel_degree: weight_sync.transport 'nccl' gives each generator "
+            f"replica one rank and one device, so it must be 1, got {par.tensor_parallel_degree} (the generator's "
+            "torchtitan model is not sharded inside vLLM; more generator devices: "
+            "generator.parallelism.data_parallel_replicate_degree)"
         )
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         # NcclSender moves the trainer's tensors as they are; merging W + BA is WeightSync's (in place) only.

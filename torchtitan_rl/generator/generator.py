@@ -48,6 +48,37 @@ class Rollouts:
     loss_mask: list[list[int]] | None = None
     """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
 
+    @staticmethod
+    def concat(parts: list["Rollouts"]) -> "Rollouts":
+        """Rollouts of consecutive prompt blocks (one per generator replica) as one batch, in block order.
+
+        All parts come from one weight version: every replica applies the same
+        syncs between the same requests. ``generate_s`` is the slowest part's
+        (the batch is ready when it is); ``idle_s`` the mean over the parts.
+        """
+        assert len({p.weight_version for p in parts}) == 1, [p.weight_version for p in parts]
+        masks = None
+        if any(p.loss_mask is not None for p in parts):
+            masks = [m for p in parts for m in (p.loss_mask or [[1] * len(c) for c in p.completion_ids])]
+        return Rollouts(
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            completion_ids=[x for p in parts for x in p.completion_ids],
+            logprobs=[x for p in parts for x in p.logprobs],
+            weight_version=parts[0].weight_version,
+            generate_s=max(p.generate_s for p in parts),
+            idle_s=sum(p.idle_s for p in parts) / len(parts),
+            loss_mask=masks,
+        )
+
+
+def prompt_blocks(prompts: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [start, end) blocks of ``prompts``, sizes differing by at most one (larger first)."""
+    size, extra = divmod(prompts, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
 
 @contextlib.contextmanager
 def _cycle_collector_paused():
@@ -223,8 +254,15 @@ class Generator:
         sampling: SamplingConfig | None = None,
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
+        first_prompt: int = 0,
     ) -> Rollouts:
-        """Sample ``n`` completions per prompt; group-contiguous output order."""
+        """Sample ``n`` completions per prompt; group-contiguous output order.
+
+        ``first_prompt``: the index of ``prompts[0]`` in the whole request when
+        this is one block of it (a generator replica's share): samples are
+        seeded by their global prompt index, so the batch does not depend on
+        how many replicas shared it.
+        """
         version = self._wait_for_weights()
         started = time.perf_counter()
         with self._cond:
@@ -235,7 +273,7 @@ class Generator:
         requests = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
-                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, i, j))
+                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, first_prompt + i, j))
                 rid = f"r{self._request_counter}"
                 self._request_counter += 1
                 self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)

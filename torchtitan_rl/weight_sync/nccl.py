@@ -1,21 +1,25 @@
-"""Weight sync to a generator on its own GPU: NCCL between processes (gloo on CPU).
+"""Weight sync to generators on their own GPUs: NCCL between processes (gloo on CPU).
 
-The layout is one torchrun world of T + 1 processes: ranks 0..T-1 train, the
-last rank holds the generator (vLLM in process, on its own device).
-``init_world`` sets it up so that nothing in the trainer changes:
+The layout is one torchrun world of T + R processes: ranks 0..T-1 train, the
+last R ranks each hold one generator replica (vLLM in process, on its own
+device). ``init_world`` sets it up so that nothing in the trainer changes:
 
 - the trainer ranks' *default* process group spans the trainer ranks only,
   so FSDP/ParallelDims (built on the default world), the trainer's own
   collectives and WeightSync's validation all-reduces run as they do
-  without a generator rank; the generator's default group is itself alone,
+  without generator ranks; each generator's default group is itself alone,
   and vLLM builds its groups on that;
-- trainer rank 0 and the generator share a two-rank group (``pair``), built
-  directly on the job's store, that carries the weights;
+- trainer rank 0 and every generator rank share one group (``group``: R + 1
+  ranks, built directly on the job's store) that carries the weights: each
+  bucket is ONE broadcast from trainer rank 0 to all replicas, never one
+  send per replica (NCCL pipelines it down a chain or tree: the sender's
+  link carries the bytes once, whatever R);
 - metadata goes through the job's TCP store: the trainer's key/shape/dtype
-  list at startup (the generator builds the sync plan and its coverage proof
+  list at startup (each replica builds its own sync plan and coverage proof
   from it, and answers with the dtype it wants each tensor in), one header
-  per sync, and the generator's answer after it. Nothing waits inside NCCL
-  between syncs, so no NCCL timeout runs while the trainer trains.
+  per sync, read by every replica, and each replica's answer after it (the
+  sender waits for all R). Nothing waits inside NCCL between syncs, so no
+  NCCL timeout runs while the trainer trains.
 
 One sync, trainer side (``NcclSender.sync``, called on every trainer rank):
 skip frozen tensors unchanged since they last moved, check names and shapes
@@ -30,10 +34,10 @@ nothing by then, so a rejected sync still leaves it on its previous weights,
 and the scan costs no time on the wire's critical path. A float64 checksum
 (sum, sum of |x|) of some tensors as cast (the same choice as
 ``verify``/``verify_samples``) follows the last bucket. The call returns once
-the generator has answered; a rejected state dict raises ValueError (naming
-the tensors) on every trainer rank, a generator-side failure RuntimeError.
+every replica has answered; a rejected state dict raises ValueError (naming
+the tensors) on every trainer rank, a failure on any replica RuntimeError.
 
-Generator side (``NcclReceiver.receive``): wait for a header, gate the
+Generator side (``NcclReceiver.receive``, on every replica alike): wait for a header, gate the
 generator (``begin_sync``: generate() waits), post the receives of the first
 two buckets and the verdict; on a clean verdict unpack each bucket as it lands
 with one ``torch._foreach_copy_`` into the plan's destination views while the
@@ -80,80 +84,95 @@ _PREFIX = "torchtitan_rl/weight_sync"
 
 @dataclass
 class World:
-    """Where this process sits: a trainer rank or the generator rank."""
+    """Where this process sits: a trainer rank or one of the generator replicas."""
 
     role: str
     """"trainer" or "generator"."""
     rank: int
-    """torchrun rank (also the default-group rank on trainer ranks; 0 there on the generator)."""
+    """torchrun rank (also the default-group rank on trainer ranks; 0 there on a generator)."""
     trainer_ranks: int
     device: torch.device
     store: dist.Store
     """The job's store (torchrun's), for metadata."""
-    pair: object | None
-    """c10d backend of trainer rank 0 (pair rank 0) and the generator (pair rank 1); None elsewhere."""
+    group: object | None
+    """c10d backend of the weight broadcast: trainer rank 0 is its rank 0, replica r its rank 1 + r; None on
+    the other trainer ranks."""
+    replicas: int = 1
+    """Generator replicas (the last ``replicas`` torchrun ranks)."""
+    replica: int = 0
+    """Generator side: this replica's index, 0..replicas-1 (its prompts block, its store keys)."""
 
     @property
     def sender(self) -> bool:
         return self.role == "trainer" and self.rank == 0
 
 
-def init_world(device_type: str) -> World:
-    """Join torchrun's world as a trainer rank or as the generator (the last rank).
+def init_world(device_type: str, *, replicas: int = 1) -> World:
+    """Join torchrun's world as a trainer rank or as one of ``replicas`` generator ranks (the last ones).
 
     The trainer ranks' default process group spans the trainer ranks only: the
     Trainer then reuses it (``init_process_group`` keeps an existing group), so
-    its meshes, FSDP and every default-group collective exclude the generator
-    without a line of trainer code knowing. The generator rank's default group
-    is itself alone; the vLLM engine builds its groups on it.
+    its meshes, FSDP and every default-group collective exclude the generators
+    without a line of trainer code knowing. Each generator rank's default group
+    is itself alone; its vLLM engine builds its groups on it.
     """
     assert not dist.is_initialized(), "init_world must create the process groups"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if world_size < 2:
-        raise ValueError(f"weight_sync.transport=nccl: needs >= 2 ranks (trainers + 1 generator), got {world_size}")
-    trainers = world_size - 1
+    if world_size < replicas + 1:
+        raise ValueError(f"weight_sync.transport=nccl: needs >= {replicas + 1} ranks (trainers + {replicas} "
+                         f"generator replicas), got {world_size}")
+    trainers = world_size - replicas
     store, _, _ = next(dist.rendezvous("env://"))
     cuda = device_type == "cuda"
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    role = "generator" if rank == trainers else "trainer"
-    # Trainer ranks: a default group of the trainer ranks. The generator: a default
+    role = "generator" if rank >= trainers else "trainer"
+    replica = rank - trainers if role == "generator" else 0
+    # Trainer ranks: a default group of the trainer ranks. A generator: a default
     # group of its own, which vLLM then reuses. Left to vLLM, its one-rank
     # init_process_group("tcp://...") would, under torchrun
     # (TORCHELASTIC_USE_AGENT_STORE=1), connect as a client to a store nobody
     # serves and wait until its timeout (seen on 2 H200s).
     group_rank, group_size = (rank, trainers) if role == "trainer" else (0, 1)
+    prefix = f"{_PREFIX}/trainer" if role == "trainer" else f"{_PREFIX}/generator/{replica}"
     dist.init_process_group(
-        "nccl" if cuda else "gloo", store=dist.PrefixStore(f"{_PREFIX}/{role}", store),
+        "nccl" if cuda else "gloo", store=dist.PrefixStore(prefix, store),
         rank=group_rank, world_size=group_size, device_id=device if cuda else None,
     )
-    pair = None
-    if rank in (0, trainers):
-        pair = pair_group(dist.PrefixStore(f"{_PREFIX}/pair", store), rank=0 if rank == 0 else 1, device=device)
-    return World(role, rank, trainers, device, store, pair)
+    group = None
+    if rank == 0 or role == "generator":
+        group = broadcast_group(dist.PrefixStore(f"{_PREFIX}/weights", store), rank=0 if rank == 0 else 1 + replica,
+                                size=1 + replicas, device=device)
+    return World(role, rank, trainers, device, store, group, replicas=replicas, replica=replica)
 
 
-def pair_group(store: dist.Store, *, rank: int, device: torch.device, timeout_s: float = 1800.0):
-    """The two-rank c10d group of trainer rank 0 (rank 0) and the generator (rank 1) on ``store``.
+def broadcast_group(store: dist.Store, *, rank: int, size: int, device: torch.device, timeout_s: float = 1800.0):
+    """The c10d group of trainer rank 0 (rank 0) and ``size - 1`` generators (ranks 1..) on ``store``.
 
-    Returns once both sides joined and the communicator exists. It is created
-    before the generator's vLLM engine where possible: vLLM's batch-invariant
-    mode sets NCCL_PROTO=Simple, one channel, etc. in its process, and a
-    communicator created after that would not match the trainer's (seen on 2
-    H200s: the first sync hung after two buckets). ``timeout_s`` bounds each
-    collective (gloo): a peer that died mid-sync raises instead of hanging.
+    Returns once every member joined and the communicator exists. It is
+    created before the generators' vLLM engines where possible: vLLM's
+    batch-invariant mode sets NCCL_PROTO=Simple, one channel, etc. in its
+    process, and a communicator created after that would not match the
+    trainer's (seen on 2 H200s: the first sync hung after two buckets).
+    ``timeout_s`` bounds each collective (gloo): a peer that died mid-sync
+    raises instead of hanging.
     """
     if device.type == "cuda":
         try:
-            pair = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+            group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         except TypeError:  # a torch without the Options overload
-            pair = dist.ProcessGroupNCCL(store, rank, 2)
+            group = dist.ProcessGroupNCCL(store, rank, size)
     else:
-        pair = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
-    _broadcast(pair, torch.zeros(1, device=device), root=0).wait()
-    return pair
+        group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+    _broadcast(group, torch.zeros(1, device=device), root=0).wait()
+    return group
+
+
+def pair_group(store: dist.Store, *, rank: int, device: torch.device, timeout_s: float = 1800.0):
+    """``broadcast_group`` of trainer rank 0 (rank 0) and one generator (rank 1): the rollout server's."""
+    return broadcast_group(store, rank=rank, size=2, device=device, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -189,10 +208,10 @@ def _views(buf: torch.Tensor, keys: list[str], layout: dict[str, tuple[torch.dty
     return out
 
 
-def _broadcast(pair, tensor: torch.Tensor, root: int):
+def _broadcast(group, tensor: torch.Tensor, root: int):
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
-    return pair.broadcast([tensor], opts)
+    return group.broadcast([tensor], opts)
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
@@ -225,6 +244,28 @@ def store_value(store: dist.Store, key: str, timeout_s: float | None) -> bytes |
 def _get(store: dist.Store, key: str, timeout_s: float | None) -> str | None:
     value = store_value(store, key, timeout_s)
     return None if value is None else value.decode()
+
+
+def _who(replica: int, replicas: int) -> str:
+    return "the generator" if replicas == 1 else f"generator replica {replica}"
+
+
+def answers(store: dist.Store, key: str, replicas: int, timeout_s: float | None, *, what: str,
+            hint: str = "") -> list[str]:
+    """Each replica's value of ``key``/<replica>, in replica order, all within one ``timeout_s``.
+
+    Raises RuntimeError naming the first replica that has not answered: the
+    sender never goes on with fewer than all of them.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    out = []
+    for r in range(replicas):
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        value = _get(store, f"{key}/{r}", left)
+        if value is None:
+            raise RuntimeError(f"weight_sync: no {what} from {_who(r, replicas)} within {timeout_s} s{hint}")
+        out.append(value)
+    return out
 
 
 @dataclass
@@ -279,12 +320,12 @@ class NcclSender:
     """Trainer side: every trainer rank builds one and calls ``sync`` together.
 
     ``reference`` fixes keys, shapes and tied keys as for WeightSync. The
-    constructor sends only metadata and returns once the generator has built
-    its plan (a plan error raises here, with the generator's message).
+    constructor sends only metadata and returns once every generator replica
+    has built its plan (a plan error raises here, with that replica's message).
     ``bucket_bytes`` overrides ``config.bucket_mb`` (tests use a few KiB to get
     many buckets out of a tiny model); it may be changed between syncs.
-    ``timeout_s`` bounds the wait for the generator's plan (its engine starts
-    meanwhile) and for its answer to each sync; None waits as long as it takes.
+    ``timeout_s`` bounds the wait for the replicas' plans (their engines start
+    meanwhile) and for their answers to each sync; None waits as long as it takes.
     """
 
     def __init__(self, config: WeightSyncConfig, *, reference: dict[str, torch.Tensor], world: World,
@@ -303,12 +344,15 @@ class NcclSender:
                 "keys": [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in reference.items()],
                 "aliases": self.ws.aliases,
             }))
-        reply = _get(self.store, "plan", timeout_s)
-        if reply is None:
-            raise RuntimeError(f"weight_sync: no plan from the generator within {timeout_s} s (did it start?)")
-        reply = json.loads(reply)
-        if "error" in reply:
-            raise ValueError(f"weight_sync: the generator rejected the plan: {reply['error']}")
+        # Each replica proves coverage on its own model; all must accept before anything moves.
+        replies = [json.loads(a) for a in answers(self.store, "plan", world.replicas, timeout_s,
+                                                  what="plan", hint=" (did it start?)")]
+        for r, reply in enumerate(replies):
+            if "error" in reply:
+                raise ValueError(f"weight_sync: {_who(r, world.replicas)} rejected the plan: {reply['error']}")
+        reply = replies[0]
+        # One broadcast feeds every replica, so all must want the same wire dtypes (same config, same model).
+        assert all(r["dtypes"] == reply["dtypes"] for r in replies), "replicas disagree on the wire dtypes"
         self.layout = {
             k: (getattr(torch, reply["dtypes"][k]), reference[k].shape) for k in self.ws.keys
         }
@@ -333,15 +377,19 @@ class NcclSender:
                 "bucket_bytes": limit, "verify": self.config.verify, "samples": self.config.verify_samples,
             }))
         flags = self._send(state, keys, check, limit)
-        answer = _get(self.store, f"ack/{n}", self.timeout_s)
-        if answer is None:
-            raise RuntimeError(f"weight_sync: no answer from the generator to sync {n} within {self.timeout_s} s")
-        if answer == "rejected":
+        replies = answers(self.store, f"ack/{n}", self.world.replicas, self.timeout_s, what=f"answer to sync {n}")
+        failed = [(r, a) for r, a in enumerate(replies) if a not in ("ok", "rejected")]
+        if failed:
+            ws._moved.clear()  # that replica serves nothing now: the next sync moves everything
+            r, answer = failed[0]
+            raise RuntimeError(
+                f"weight_sync: {_who(r, self.world.replicas)} failed sync {n} (version {version}): {answer}"
+            )
+        if "rejected" in replies:
+            # One verdict, broadcast to all: every replica dropped the sync and kept its version.
+            assert set(replies) == {"rejected"}, replies
             ws.raise_problems(flags, keys)  # every rank holds the reduced flags: all raise alike
             raise AssertionError("the generator rejected a sync whose scan was clean")
-        if answer != "ok":
-            ws._moved.clear()  # the generator serves nothing now: the next sync moves everything
-            raise RuntimeError(f"weight_sync: the generator failed sync {n} (version {version}): {answer}")
         for k in keys:
             if not state[k].requires_grad:
                 ws._moved[k] = (weakref.ref(state[k]), _local(state[k])._version)
@@ -366,7 +414,7 @@ class NcclSender:
         if not self.world.sender:
             return None
         verdict = flags.amax(dim=0, keepdim=True) if flags.numel() else flags.new_zeros(1)
-        return _broadcast(self.world.pair, verdict, root=0), verdict  # keep it alive until sent
+        return _broadcast(self.world.group, verdict, root=0), verdict  # keep it alive until sent
 
     def _send(self, state: dict[str, torch.Tensor], keys: list[str], check: set[str], limit: int) -> torch.Tensor:
         """Buckets, the scan's verdict after the first two, checksums; returns the reduced problem flags."""
@@ -386,7 +434,7 @@ class NcclSender:
                 if works[slot] is not None:
                     works[slot].wait()  # bucket i-2 has left this buffer
                 torch._foreach_copy_(bucket.views[slot], sources)  # the cast to the generator's dtype happens here
-                works[slot] = _broadcast(self.world.pair, bucket.flat[slot], root=0)
+                works[slot] = _broadcast(self.world.group, bucket.flat[slot], root=0)
                 sums += [_checksum(v) for k, v in zip(bucket.keys, bucket.views[slot]) if k in check]
             if i == 0:  # queued behind the first bucket: its host time overlaps the wire
                 flags = self._scan(state, keys)
@@ -397,7 +445,7 @@ class NcclSender:
         if sender:
             works.append(verdict[0])
             if sums:
-                works.append(_broadcast(self.world.pair, torch.stack(sums), root=0))
+                works.append(_broadcast(self.world.group, torch.stack(sums), root=0))
             for w in works:
                 if w is not None:
                     w.wait()
@@ -408,7 +456,10 @@ class NcclSender:
 
 
 class NcclReceiver:
-    """Generator side: builds the plan from the trainer's metadata; ``receive`` applies one sync.
+    """Generator side (one per replica): builds the plan from the trainer's metadata; ``receive`` applies one sync.
+
+    Every replica receives the same broadcasts; each answers for itself
+    (``plan/<replica>``, ``ack/<sync>/<replica>`` in the store).
 
     ``receive`` may run on the thread that generates (between generate calls)
     or on a background thread: it holds ``lock`` from the header to the
@@ -423,6 +474,7 @@ class NcclReceiver:
     def __init__(self, *, generator, world: World, name: str = "weights", timeout_s: float | None = None):
         assert world.role == "generator"
         self.generator, self.world = generator, world
+        self.replica = world.replica
         self.store = dist.PrefixStore(f"{_PREFIX}/{name}", world.store)
         sources = _get(self.store, "sources", timeout_s)
         if sources is None:
@@ -459,12 +511,12 @@ class NcclReceiver:
                 generator_tensors=model.all_tensors(), constants=model.engine_constants(),
             )
         except ValueError as e:
-            self.store.set("plan", json.dumps({"error": str(e)}))
+            self.store.set(f"plan/{self.replica}", json.dumps({"error": str(e)}))
             raise
         with torch.no_grad():
             for tensor, value in plan.constants.values():
                 tensor.fill_(value)
-        self.store.set("plan", json.dumps(
+        self.store.set(f"plan/{self.replica}", json.dumps(
             {"dtypes": {e.source: str(e.dest.dtype).removeprefix("torch.") for e in plan.entries}}
         ))
         return plan
@@ -504,12 +556,12 @@ class NcclReceiver:
                     gen.finish_sync(previous)
                 self.syncing.clear()
                 self.syncs = n
-                self.store.set(f"ack/{n}", f"{type(e).__name__}: {e}")
+                self.store.set(f"ack/{n}/{self.replica}", f"{type(e).__name__}: {e}")
                 raise
             gen.finish_sync(version if verified is not None else previous)
             self.syncing.clear()
         self.syncs = n
-        self.store.set(f"ack/{n}", "ok" if verified is not None else "rejected")
+        self.store.set(f"ack/{n}/{self.replica}", "ok" if verified is not None else "rejected")
         if verified is None:  # the trainer raises the ValueError that names the tensors
             return SyncStats(previous, time.perf_counter() - start, 0, 0, rejected=True)
         return SyncStats(version, time.perf_counter() - start, sum(self.nbytes[k] for k in keys), verified)
@@ -517,22 +569,22 @@ class NcclReceiver:
     def _receive(self, keys: list[str], check: set[str], limit: int) -> int | None:
         """Tensors checksummed; None if the trainer's verdict rejected the sync (nothing written)."""
         buckets = self.buffers.get(keys, limit)
-        pair = self.world.pair
+        group = self.world.group
         works = [None] * len(buckets)
 
         def post(i: int) -> None:
-            works[i] = _broadcast(pair, buckets[i].flat[i % 2], root=0)
+            works[i] = _broadcast(group, buckets[i].flat[i % 2], root=0)
 
         lead = min(_LEAD, len(buckets))
         for i in range(lead):
             post(i)
         verdict = torch.zeros(1, dtype=torch.uint8, device=self.world.device)
-        _broadcast(pair, verdict, root=0).wait()
+        _broadcast(group, verdict, root=0).wait()
         if verdict.item():  # one host sync; the buckets in flight are not unpacked
             for i in range(lead, len(buckets)):
                 post(i)
             if check:  # the sender's checksums of the tensors it packed
-                _broadcast(pair, torch.empty(len(check), 2, dtype=torch.float64, device=self.world.device),
+                _broadcast(group, torch.empty(len(check), 2, dtype=torch.float64, device=self.world.device),
                            root=0).wait()
             for w in works:
                 w.wait()
@@ -549,7 +601,7 @@ class NcclReceiver:
             return 0
         checked = [k for k in keys if k in check]  # the sender's order: plan order within buckets
         theirs = torch.empty(len(checked), 2, dtype=torch.float64, device=self.world.device)
-        _broadcast(pair, theirs, root=0).wait()
+        _broadcast(group, theirs, root=0).wait()
         mine = torch.stack([_checksum(self.entries[k].dest) for k in checked])
         # Same bytes, same kernels: equal up to float64 summation order; a one-ulp
         # change of a single bf16 element moves the sum by far more than this.
