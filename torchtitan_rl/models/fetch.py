@@ -12,6 +12,7 @@ file is left alone.
 """
 
 import argparse
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -77,6 +78,14 @@ def fetch(name: str, out: str | Path) -> Path:
     source = MODELS[name]
     path = gguf_path(source)
     out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One writer at a time (two test workers, two jobs on one machine): the second waits, then finds it done.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _fetch(source, path, out)
+
+
+def _fetch(source, path: Path, out: Path) -> Path:
     source_id = _source_id(path)
     marker = out / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == source_id:
