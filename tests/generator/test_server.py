@@ -226,6 +226,8 @@ def _announce_big_body(cfg):
 
 
 def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server):
+    if _get(server, "/health")["weight_version"] is None:  # run alone: give it weights to serve
+        _connect(server).sync(native_state(trainer_model(seed=0)), version=1)
     cases = [
         (_announce_big_body(server), 413, "serve.max_body_mb"),
         (_request(server, "POST", "/v1/completions", raw=b'{"model": "torchtitan_rl", "prompt": [1,'), 400,
@@ -234,6 +236,10 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
         (_complete(server, prompt=[1] * 70), 400, "exceed the context of 64 tokens"),
         (_complete(server, prompt=[1, 99]), 400, "outside the vocabulary"),
         (_complete(server, temperature=-1), 400, "temperature"),
+        (_complete(server, temperature=3), 400, "temperature"),
+        (_complete(server, stop_token_ids=[-1]), 400, "stop_token_ids"),
+        (_complete(server, presence_penalty=0.5), 400, "presence_penalty"),
+        (_complete(server, stop=[""]), 400, "stop"),
         (_complete(server, stream=True), 400, "stream"),
         (_complete(server, n=5000), 400, "serve.max_n"),
         (_request(server, "POST", "/v1/chat/completions", {"model": "torchtitan_rl", "messages": [
@@ -247,6 +253,14 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
         assert text in body["error"]["message"], (text, body)
     status, _, body = _complete(server)
     assert status == 200, body
+    # Valid edge cases: a seed far past int64 once mixed per sample; top logprobs that top-k cut to -inf.
+    status, _, body = _complete(server, seed=10**15, n=2)
+    assert status == 200, body
+    status, _, body = _complete(server, top_k=1, logprobs=2)
+    assert status == 200 and min(body["choices"][0]["logprobs"]["top_logprobs"][0].values()) == -9999.0, body
+    # Only the current session's trainer can end it.
+    status, _, body = _request(server, "POST", "/control/disconnect", {"session": "not-the-current"}, token=TOKEN)
+    assert status == 200 and body["ended"] is False, body
     assert _get(server, "/v1/models")["data"][0]["id"] == "torchtitan_rl"
 
 

@@ -184,6 +184,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _at_least(cfg, 0, "trainer.micro_batch_tokens", "trainer.recompute_micro_batch_tokens")
     _at_least(cfg, 0, "trainer.logprob_chunk_tokens")
     _at_least(cfg, 0, "generator.sampling.temperature", "generator.wait_for_weights_s")
+    _in_range(cfg, "generator.sampling.temperature", 0, 2, "[0, 2]")  # vLLM's range
     _at_least(cfg, 2, "grpo.group_size")
     _at_least(cfg, 0, "grpo.max_staleness")
     if not cfg.grpo.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
@@ -333,6 +334,9 @@ def check_serve(cfg: JobConfig) -> None:
             raise ValueError(f"{name}: must be a TCP port in [0, 65535], got {_get(cfg, name)}")
     if cfg.serve.port == 0:
         raise ValueError("serve.port: must be set (the trainer and clients connect to it), got 0")
+    if (cfg.serve.sync_port or cfg.serve.port + 1) in (cfg.serve.port, 65536):
+        raise ValueError(f"serve.sync_port: {cfg.serve.sync_port or cfg.serve.port + 1} is not a free second port "
+                         f"beside serve.port {cfg.serve.port}; set serve.sync_port")
     if not cfg.serve.token:
         raise ValueError("serve.token: set a shared secret; the trainer's control requests must carry it")
     _positive(cfg, "serve.max_body_mb", "serve.max_n", "weight_sync.peer_timeout_s")

@@ -2,14 +2,16 @@
 
 The loop (simple_grpo.py) holds a ``RolloutGenerator`` and never learns which
 layout it has: colocated.py (the engine in trainer rank 0's process),
-remote.py (the engine on its own torchrun rank), or any other that keeps
-the contract below.
+remote.py (the engine on its own torchrun rank, or several replicas),
+server_client.py (a rollout server over HTTP), or any other that keeps the
+contract below.
 
 Every trainer rank calls every method, in the same order (the calls are
-collective: the rollouts reach every rank). Requests are served in the
-order they were made, and a ``sync`` changes the weights only for requests
-made after it: a request submitted before a sync is sampled with the
-weights before that sync, however late its result is taken. This is what
+collective: the rollouts reach every rank). A ``sync`` changes the weights
+only for requests made after it: a request submitted before a sync is
+sampled with the weights before that sync, however late its result is
+taken (the own-rank layout serves requests in order; the server may run
+requests concurrently, and its ``sync`` waits for the ones made before it). This is what
 lets the loop keep requests in flight while it trains (grpo.max_staleness)
 and still know which weights each batch came from (``Rollouts.weight_version``).
 """
@@ -30,7 +32,8 @@ class Pending(Protocol):
 class RolloutGenerator(Protocol):
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
         """Weights for the requests submitted from now on, served as ``version``; seconds the
-        transfer took (not counting any wait for requests submitted earlier to finish)."""
+        transfer took (not counting this trainer's wait for its earlier requests; a rollout server's
+        drain of other clients' requests in flight is counted)."""
 
     def submit(self, prompts: list[list[int]], *, n: int, stop_token_ids: list[int] | None = None,
                seed: int | None = None, sampling: SamplingConfig | None = None) -> Pending:

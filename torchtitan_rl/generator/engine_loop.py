@@ -80,7 +80,7 @@ class EngineLoop:
         jobs = [_Job(list(p), sp, Future(), deadline) for p, sp in zip(prompts_ids, params, strict=True)]
         with self._cond:
             if self._closed:
-                raise RuntimeError("generator: the server is shutting down")
+                raise WeightsNotSyncedError("the server is shutting down")
             self._queue.extend(jobs)
             self._cond.notify_all()
         return [j.future for j in jobs]
@@ -114,7 +114,9 @@ class EngineLoop:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
-        for job in list(self._queue) + list(self._running.values()):
+        with self._cond:
+            jobs = list(self._queue) + list(self._running.values())
+        for job in jobs:
             if not job.future.done():
                 job.future.set_exception(RuntimeError("generator: the server shut down"))
         self.generator.close()
@@ -150,6 +152,21 @@ class EngineLoop:
         )
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # never die silently: fail what waits, refuse what comes
+            with self._cond:
+                self._closed = True
+                jobs = list(self._queue) + list(self._running.values())
+                self._queue.clear()
+                self._running.clear()
+                self._cond.notify_all()
+            for job in jobs:
+                if not job.future.done():
+                    job.future.set_exception(RuntimeError(f"generator: the engine loop stopped: {e!r}"))
+            raise
+
+    def _loop(self) -> None:
         engine = self.generator.engine
         while True:
             with self._cond:
@@ -163,9 +180,15 @@ class EngineLoop:
                 if self._closed:
                     return
                 admitted = self._admit()
-            try:
-                for rid, job in admitted:
+            for rid, job in admitted:
+                try:
                     engine.add_request(rid, {"prompt_token_ids": job.prompt_ids}, job.params)
+                except Exception as e:  # this request's fault (vLLM's own checks): fail it alone
+                    with self._cond:
+                        self._running.pop(rid)
+                        self._cond.notify_all()
+                    job.future.set_exception(ValueError(f"{type(e).__name__}: {e}"))
+            try:
                 outputs = engine.step() if engine.has_unfinished_requests() else []
             except Exception as e:  # fail what ran, keep serving: the next request may well succeed
                 self._fail_running(e)

@@ -101,8 +101,11 @@ def _cycle_collector_paused():
 
 
 def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
-    """The seed of sample ``sample`` of prompt ``prompt`` in a request seeded ``seed`` (the server uses it too)."""
-    return None if seed is None else (seed * 1_000_003 + prompt) * 1009 + sample
+    """The seed of sample ``sample`` of prompt ``prompt`` in a request seeded ``seed`` (the server uses it too).
+
+    Folded into [0, 2**63): vLLM keeps seeds as int64 (a larger one raised inside the engine step); every
+    seed the loop made before the fold was already below 2**63, so those samples are unchanged."""
+    return None if seed is None else ((seed * 1_000_003 + prompt) * 1009 + sample) % (1 << 63)
 
 
 def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed: int | None, logprobs: int = 0,

@@ -5,8 +5,9 @@ Requests are checked field by field (pydantic) and every problem becomes a
 ``{"error": {"message", "type", "param", "code"}}``. Fields OpenAI clients
 send that change nothing here (``user``, ``presence_penalty`` at 0, ...) are
 ignored; fields that would change the answer and that the server does not
-implement (``stream``, ``echo``, ``best_of``) are refused rather than
-silently dropped.
+implement (``stream``, ``echo``, ``best_of`` > 1, ``suffix``, penalties,
+``logit_bias``, ``tools``, a JSON ``response_format``) are refused unless left at
+their no-op value, rather than silently dropped.
 
 Extensions (vLLM's names where vLLM has one): ``top_k``, ``stop_token_ids``,
 ``return_token_ids`` (each choice then carries ``token_ids`` and
@@ -38,16 +39,37 @@ class _Sampling(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = -1
     n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
     stream: Literal[False] = False
     """Streaming is not implemented: a request asking for it is refused."""
+    # Would change the answer and are not implemented: refused unless left at their no-op value.
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    logit_bias: dict | None = Field(default=None, max_length=0)
+    response_format: dict | None = None
+    tools: None = None
+    tool_choice: Literal["none"] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v not in (None, {"type": "text"}):
+            raise ValueError("only {'type': 'text'} is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, v):
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("an empty stop string would end every completion at once")
+        return v
 
     @field_validator("top_k")
     @classmethod
@@ -65,6 +87,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: Literal[False] = False
     best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: None = None
 
 
 class ChatMessage(BaseModel):

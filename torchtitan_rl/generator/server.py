@@ -27,7 +27,9 @@ moves, one flat bucket). A session thread applies each sync between the
 engine loop's batches (EngineLoop.begin_sync drains what runs). A new
 connect (a restarted or resumed trainer) ends the previous session; a
 trainer that dies mid-sync leaves the previous version served if nothing
-was written yet, else nothing served until the next sync: never a mix.
+was written yet, else nothing served until the next sync: never a mix
+(on gloo at once; over NCCL only its watchdog notices, at
+weight_sync.peer_timeout_s, and ends the server: docs/design.md).
 """
 
 import asyncio
@@ -74,20 +76,24 @@ class SyncSessions:
         self._lock = threading.Lock()
         """Held while a sync is applied: an ending session never overlaps the next one's sync."""
         self._stop: threading.Event | None = None
+        self._session: str | None = None
         self.syncs = 0
 
     def connect(self, trainer_ranks: int) -> str:
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
-        self._stop = threading.Event()
+        self._stop, self._session = threading.Event(), session
         threading.Thread(target=self._serve, args=(session, trainer_ranks, self._stop),
                          name=f"sync-{session[:8]}", daemon=True).start()
         return session
 
-    def disconnect(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+    def disconnect(self, session: str) -> bool:
+        """End ``session`` if it is the current one (a trainer replaced by a newer one must not end it)."""
+        if self._stop is None or session != self._session:
+            return False
+        self._stop.set()
+        return True
 
     def _serve(self, session: str, trainer_ranks: int, stop: threading.Event) -> None:
         store = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", self.store)
@@ -194,20 +200,30 @@ class RolloutServer:
                                  f"({self.cfg.serve.max_n})", param="n")
         for i, ids in enumerate(prompts):
             self._check_prompt(ids, max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise HttpError(400, f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                            param="stop_token_ids")
         s = SamplingConfig(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, max_tokens=max_tokens)
         stop = req.stop_strings()
         params, repeated = [], []
-        for i, ids in enumerate(prompts):  # group-contiguous, seeds as the in-process Generator's
-            for j in range(req.n):
-                params.append(sampling_params(s, stop_token_ids=req.stop_token_ids, seed=sample_seed(req.seed, i, j),
-                                              logprobs=logprobs, stop=stop))
-                repeated.append(ids)
+        try:
+            for i, ids in enumerate(prompts):  # group-contiguous, seeds as the in-process Generator's
+                for j in range(req.n):
+                    params.append(sampling_params(s, stop_token_ids=req.stop_token_ids,
+                                                  seed=sample_seed(req.seed, i, j), logprobs=logprobs, stop=stop))
+                    repeated.append(ids)
+        except Exception as e:  # vLLM's own checks of sampling settings (VLLMValidationError)
+            raise HttpError(400, f"{getattr(e, 'parameter', None) or 'sampling'}: {e}",
+                            param=getattr(e, "parameter", None)) from None
         try:
             futures = self.loop.submit(repeated, params)
             samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         except WeightsNotSyncedError as e:
             raise HttpError(503, f"generator: {e}", type="weights_not_synced",
                             headers={"Retry-After": "1"}) from None
+        except ValueError as e:  # the engine refused this request (add_request's checks); others run on
+            raise HttpError(400, str(e)) from None
         assert len({s.weight_version for s in samples}) == 1, "one request's samples span two versions"
         return samples
 
@@ -264,9 +280,9 @@ class RolloutServer:
             if req.logprobs is not None:
                 choice["logprobs"] = {
                     "tokens": [self._token(t) for t in s.token_ids],
-                    "token_logprobs": s.logprobs,
+                    "token_logprobs": [_finite(lp) for lp in s.logprobs],
                     "top_logprobs": None if s.top_logprobs is None else [
-                        {self._token(t): lp for t, lp in pos.items()} for pos in s.top_logprobs],
+                        {self._token(t): _finite(lp) for t, lp in pos.items()} for pos in s.top_logprobs],
                 }
             if req.return_token_ids:
                 choice["token_ids"] = s.token_ids
@@ -287,15 +303,17 @@ class RolloutServer:
             raise HttpError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
         k = req.top_logprobs if req.logprobs else 0
-        samples = await self._generate(req, [prompt], req.max_completion_tokens or req.max_tokens or 16, k)
+        # As OpenAI's chat: without a limit, the rest of the context.
+        max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt))
+        samples = await self._generate(req, [prompt], max_tokens, k)
         choices = []
         for i, s in enumerate(samples):
             choice = {"index": i, "message": {"role": "assistant", "content": s.text},
                       "finish_reason": s.finish_reason, "logprobs": None}
             if req.logprobs:
                 choice["logprobs"] = {"content": [
-                    {"token": self._token(t), "logprob": lp, "top_logprobs": [
-                        {"token": self._token(u), "logprob": v} for u, v in (top or {}).items()]}
+                    {"token": self._token(t), "logprob": _finite(lp), "top_logprobs": [
+                        {"token": self._token(u), "logprob": _finite(v)} for u, v in (top or {}).items()]}
                     for t, lp, top in zip(s.token_ids, s.logprobs, s.top_logprobs or [None] * len(s.token_ids))
                 ]}
             if req.return_token_ids:
@@ -308,7 +326,7 @@ class RolloutServer:
         self._authorize(request)
         body = await self._json(request)
         ranks = body.get("trainer_ranks") if isinstance(body, dict) else None
-        if not isinstance(ranks, int) or ranks < 1:
+        if type(ranks) is not int or ranks < 1:
             raise HttpError(400, f"trainer_ranks: must be an integer >= 1, got {ranks!r}", param="trainer_ranks")
         session = self.sessions.connect(ranks)
         return {"session": session, "sync_port": sync_port(self.cfg), "store_prefix": SESSION_PREFIX,
@@ -316,8 +334,16 @@ class RolloutServer:
 
     async def disconnect(self, request):
         self._authorize(request)
-        self.sessions.disconnect()
-        return {"status": "ok"}, {}
+        body = await self._json(request)
+        session = body.get("session") if isinstance(body, dict) else None
+        if not isinstance(session, str):
+            raise HttpError(400, "session: the id /control/connect returned", param="session")
+        return {"status": "ok", "ended": self.sessions.disconnect(session)}, {}
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token top-k/top-p removed gets -9999.0, as in OpenAI's and vLLM's servers."""
+    return max(logprob, -9999.0)
 
 
 def tokenizer_folder(cfg: JobConfig, task, workdir: Path) -> str:

@@ -30,7 +30,10 @@ class ServerError(RuntimeError):
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"rollout server: HTTP {status}: {message}")
-        self.status = status
+        self.status, self.message = status, message
+
+    def __reduce__(self):  # pickled to the other trainer ranks (broadcast_object_list)
+        return ServerError, (self.status, self.message)
 
 
 class ServerClient:
@@ -84,7 +87,7 @@ class ServerGenerator:
             reply = [self.client.request("POST", "/control/connect", {"trainer_ranks": dist.get_world_size()})]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
-        session = reply[0]["session"]
+        self.session = session = reply[0]["session"]
         store = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=_seconds(timeout_s))
         store = dist.PrefixStore(f"{reply[0]['store_prefix']}/{session}", store)
         pair = None
@@ -114,7 +117,8 @@ class ServerGenerator:
             s = sampling or self.cfg.generator.sampling
             reply = self.pool.submit(self._complete, prompts, n, s, stop_token_ids, seed)
         request = _Request(self, reply)
-        self.inflight.append(request)
+        # Only what a sync must wait for: a finished request is dropped (the no-sync control never syncs).
+        self.inflight = [r for r in self.inflight if r.reply is not None and not r.reply.done()] + [request]
         return request
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
@@ -157,7 +161,7 @@ class ServerGenerator:
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.rank == 0:
             try:
-                self.client.request("POST", "/control/disconnect", {})
+                self.client.request("POST", "/control/disconnect", {"session": self.session})
             except (ServerError, OSError):
                 pass  # the server is gone already: nothing to end
 

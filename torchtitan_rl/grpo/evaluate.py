@@ -14,8 +14,8 @@ from torchtitan_rl.config import EvalConfig, SamplingConfig
 from torchtitan_rl.grpo.tasks.base import Task
 
 SEED_OFFSET = 1 << 20
-"""Evaluation seeds stay clear of the training rollouts' (job.seed * 1_000_003 + step) and, after
-Generator.generate's per-sample mixing (x 1_000_003 x 1009), inside int64."""
+"""Evaluation seeds stay clear of the training rollouts' (job.seed * 1_000_003 + step); the per-sample
+mixing (generator.sample_seed) folds every seed into int64."""
 
 
 class Evaluator:

@@ -156,12 +156,16 @@ def broadcast_group(store: dist.Store, *, rank: int, size: int, device: torch.de
     batch-invariant mode sets NCCL_PROTO=Simple, one channel, etc. in its
     process, and a communicator created after that would not match the
     trainer's (seen on 2 H200s: the first sync hung after two buckets).
-    ``timeout_s`` bounds each collective (gloo): a peer that died mid-sync
-    raises instead of hanging.
+    ``timeout_s`` bounds each collective: on gloo a peer that died mid-sync
+    raises at once (its socket closes); on NCCL nothing notices before the
+    timeout, and torch's NCCL watchdog then ends the process (nothing waits
+    inside NCCL between syncs, so only a sync can time out).
     """
     if device.type == "cuda":
         try:
-            group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timedelta(seconds=timeout_s)
+            group = dist.ProcessGroupNCCL(store, rank, size, opts)
         except TypeError:  # a torch without the Options overload
             group = dist.ProcessGroupNCCL(store, rank, size)
     else:

@@ -31,8 +31,7 @@ class DigitTool(ToolTask, DigitsTask):
     max_turns = 3
 
     def call_tool(self, text):
-        at = min((text.find(d) for d in "01234" if d in text), default=-1)
-        return None if at < 0 else (at + 1, "==")
+        return "==" if any(d in text for d in "01234") else None
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,8 @@ def episodes(tmp_path_factory):
     task = DigitTool(mode="repeat_first")
     prompts = task.sample_prompts(8, generator=random.Random(0))
     sampling = SamplingConfig(max_tokens=8)
-    play = dict(n=2, seed=5, sampling=sampling, max_total_tokens=MAX_TOTAL)
+    # A training step's seed with job.seed 42: its later turns' seeds pass 2**63 before sample_seed folds them.
+    play = dict(n=2, seed=42 * 1_000_003 + 7, sampling=sampling, max_total_tokens=MAX_TOTAL)
     yield model, task, prompts, task.rollouts(generator, prompts, **play), task.rollouts(generator, prompts, **play)
     generator.close()
 
@@ -107,6 +107,6 @@ def test_calculator_evaluates_arithmetic_only(expression, value):
 
 def test_calculator_call_syntax():
     # The prompt opens the reply with "<calc>": the first call has no opening tag in the reply's text.
-    assert find_call("7 * 12</calc> so") == (13, "7 * 12")
-    assert find_call("first <calc>2+2</calc> then <calc>3+3</calc>") == (22, "2+2")
+    assert find_call("7 * 12</calc> so") == "7 * 12"
+    assert find_call("first <calc>2+2</calc> then <calc>3+3</calc>") == "2+2"
     assert find_call("no call here") is None

@@ -56,14 +56,14 @@ def calculate(expression: str) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
 
 
-def find_call(text: str) -> tuple[int, str] | None:
-    """The first call in a turn's text: (index just past its "</calc>", the expression); None if none.
-    A call's "<calc>" may be missing: the prompt opens the reply with it."""
+def find_call(text: str) -> str | None:
+    """The expression of the first call in a turn's text; None if none. A call's "<calc>" may be missing:
+    the prompt opens the reply with it."""
     end = text.find(CALL_CLOSE)
     if end < 0:
         return None
     start = text.rfind(CALL_OPEN, 0, end)
-    return end + len(CALL_CLOSE), text[start + len(CALL_OPEN) if start >= 0 else 0 : end]
+    return text[start + len(CALL_OPEN) if start >= 0 else 0 : end]
 
 
 class CalculatorTask(ToolTask, MathTask):
@@ -82,9 +82,9 @@ class CalculatorTask(ToolTask, MathTask):
         opening = self.tokenizer(CALL_OPEN, add_special_tokens=False)["input_ids"]
         return dataclasses.replace(prompt, token_ids=prompt.token_ids + opening, text=prompt.text + CALL_OPEN)
 
-    def call_tool(self, text: str) -> tuple[int, str] | None:
-        call = find_call(text)
-        return None if call is None else (call[0], f"<result>{calculate(call[1])}</result>")
+    def call_tool(self, text: str) -> str | None:
+        expression = find_call(text)
+        return None if expression is None else f"<result>{calculate(expression)}</result>"
 
     def completion_text(self, completion_ids: list[int]) -> str:
         return RESULT.sub("", super().completion_text(completion_ids))

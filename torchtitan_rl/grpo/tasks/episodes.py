@@ -25,8 +25,8 @@ after it only cost time; a server with stop strings would not sample them).
 To write your own agent task: mix ``ToolTask`` into a task class (e.g.
 ``class MyTask(ToolTask, MathTask)``: prompts in the checkpoint's chat
 template and math-verify rewards), implement ``call_tool(text)`` (find the
-first complete call in the turn's text, return where it ends and what the
-tool answers), and ``sample_prompts`` / the reward as for any task.
+first complete call in the turn's text and return what the tool answers),
+and ``sample_prompts`` / the reward as for any task.
 tasks/calculator.py is the worked example.
 """
 
@@ -37,7 +37,8 @@ from torchtitan_rl.config import SamplingConfig
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
 
 TURN_SEED = 7919
-"""Turn t > 0 of a request seeded s is seeded s * TURN_SEED + t (the generator mixes in the sample index)."""
+"""Turn t > 0, budget group g, of a request seeded s is seeded (s * TURN_SEED + t) * TURN_SEED + g (the
+generator mixes in the episode's index and folds it into int64)."""
 
 
 @dataclasses.dataclass
@@ -58,9 +59,9 @@ class ToolTask(Task):
     """Turns per episode (tool calls + 1); the last turn's tool call, if any, is not answered."""
 
     @abstractmethod
-    def call_tool(self, text: str) -> tuple[int, str] | None:
-        """The first complete tool call in a turn's ``text``: (index just past its end, the tool's
-        output to append); None if the turn makes no call."""
+    def call_tool(self, text: str) -> str | None:
+        """The tool's output (text to append) for the first complete tool call in a turn's ``text``;
+        None if the turn makes no call. The turn is cut after the first token at which a call is complete."""
 
     def submit(self, generator, prompts: list[Prompt], *, n: int, seed: int | None,
                sampling: SamplingConfig, max_total_tokens: int):
@@ -77,21 +78,27 @@ class ToolTask(Task):
             live = [e for e in episodes if not e.done]
             if not live:
                 break
-            room = min(max_total_tokens - len(e.prompt) - len(e.tokens) for e in live)
-            s = dataclasses.replace(sampling, max_tokens=max(1, min(sampling.max_tokens, room)))
-            if turn == 0:
-                r = generator.rollouts([p.token_ids for p in prompts], n=n, stop_token_ids=[self.eos_id],
-                                       seed=seed, sampling=s)
-            else:
-                r = generator.rollouts([e.prompt + e.tokens for e in live], n=1, stop_token_ids=[self.eos_id],
-                                       seed=None if seed is None else seed * TURN_SEED + turn, sampling=s)
-            assert version is None or r.weight_version == version, "an episode spans two weight versions"
-            version = r.weight_version
-            generate_s += r.generate_s
-            idle_s = r.idle_s if idle_s is None else idle_s
-            for e, ids, lps in zip(live, r.completion_ids, r.logprobs):
-                self._extend(e, ids, lps, last_turn=turn == self.max_turns - 1,
-                             room=max_total_tokens - len(e.prompt))
+            # One request per turn budget: an episode's turn may run to its own room, not its longest sibling's.
+            budgets: dict[int, list[_Episode]] = {}
+            for e in live:
+                budgets.setdefault(min(sampling.max_tokens, max_total_tokens - len(e.prompt) - len(e.tokens)),
+                                   []).append(e)
+            for g, (max_tokens, group) in enumerate(sorted(budgets.items())):
+                s = dataclasses.replace(sampling, max_tokens=max(1, max_tokens))
+                if turn == 0 and len(group) == len(episodes):  # the prompts' n samples, seeded as a single turn
+                    r = generator.rollouts([p.token_ids for p in prompts], n=n, stop_token_ids=[self.eos_id],
+                                           seed=seed, sampling=s)
+                else:
+                    turn_seed = None if seed is None else (seed * TURN_SEED + turn) * TURN_SEED + g
+                    r = generator.rollouts([e.prompt + e.tokens for e in group], n=1, stop_token_ids=[self.eos_id],
+                                           seed=turn_seed, sampling=s)
+                assert version is None or r.weight_version == version, "an episode spans two weight versions"
+                version = r.weight_version
+                generate_s += r.generate_s
+                idle_s = r.idle_s if idle_s is None else idle_s
+                for e, ids, lps in zip(group, r.completion_ids, r.logprobs):
+                    self._extend(e, ids, lps, last_turn=turn == self.max_turns - 1,
+                                 room=max_total_tokens - len(e.prompt))
         return Done(Rollouts(
             prompt_ids=[e.prompt for e in episodes], completion_ids=[e.tokens for e in episodes],
             logprobs=[e.logprobs for e in episodes], weight_version=version, generate_s=generate_s,
@@ -100,15 +107,14 @@ class ToolTask(Task):
 
     def _extend(self, e: _Episode, ids: list[int], lps: list[float], *, last_turn: bool, room: int) -> None:
         """Append one turn (cut after its first tool call) and the tool's answer."""
-        call = None if last_turn else self.call_tool(self._decode(ids))
-        if call is not None:
-            end, output = call
-            keep = self._tokens_through(ids, end)
+        output = None if last_turn else self.call_tool(self._decode(ids))
+        if output is not None:
+            keep = self._tokens_through(ids)
             ids, lps = ids[:keep], lps[:keep]
         e.tokens += ids
         e.logprobs += lps
         e.mask += [1] * len(ids)
-        if call is None:
+        if output is None:
             e.done = True
             return
         answer = self._encode(output)
@@ -120,12 +126,13 @@ class ToolTask(Task):
         e.logprobs += [0.0] * len(answer)
         e.mask += [0] * len(answer)
 
-    def _tokens_through(self, ids: list[int], end: int) -> int:
-        """The fewest leading tokens of ``ids`` whose text reaches character ``end`` (binary search)."""
+    def _tokens_through(self, ids: list[int]) -> int:
+        """The fewest leading tokens of ``ids`` whose text already holds a complete call (binary search:
+        a prefix that holds one stays holding it as tokens are added)."""
         lo, hi = 1, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self._decode(ids[:mid])) >= end:
+            if self.call_tool(self._decode(ids[:mid])) is not None:
                 hi = mid
             else:
                 lo = mid + 1
