@@ -88,7 +88,7 @@ class ServerGenerator:
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]
-        store = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=_seconds(timeout_s))
+        store = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=timedelta(seconds=timeout_s))
         store = dist.PrefixStore(f"{reply[0]['store_prefix']}/{session}", store)
         pair = None
         if self.rank == 0:
@@ -177,9 +177,3 @@ class _Request:
         if self.rollouts is None:
             self.rollouts = self.client._take(self.reply)
         return self.rollouts
-
-
-def _seconds(s: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=s)
