@@ -1,7 +1,6 @@
 """The real entry point as a user runs it: bad input is one line on stderr and exit 2."""
 
 import ast
-import os
 import re
 import subprocess
 import sys

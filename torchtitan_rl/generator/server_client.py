@@ -11,9 +11,10 @@ joins the store (the sender's plan and headers) and the gathers of a sync.
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
