@@ -16,6 +16,7 @@ lets the loop keep requests in flight while it trains (grpo.max_staleness)
 and still know which weights each batch came from (``Rollouts.weight_version``).
 """
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -54,4 +55,18 @@ class Done:
         self.rollouts = rollouts
 
     def result(self) -> Rollouts:
+        return self.rollouts
+
+
+class Later:
+    """A Pending whose rollouts ``fetch`` gets on the first ``result()`` (a collective call in the layouts
+    that broadcast them to every trainer rank), kept for the calls after it."""
+
+    def __init__(self, fetch: Callable[[], Rollouts]) -> None:
+        self.fetch = fetch
+        self.rollouts: Rollouts | None = None
+
+    def result(self) -> Rollouts:
+        if self.rollouts is None:
+            self.rollouts = self.fetch()
         return self.rollouts

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.generator.base import Later
 from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
@@ -130,14 +131,15 @@ class RemoteGenerator:
                 mailbox.put("msg", {"op": "sync"})
         return self.sender.sync(state, version=version).seconds
 
-    def submit(self, prompts: list[list[int]], **generate_kwargs) -> "_Request":
+    def submit(self, prompts: list[list[int]], **generate_kwargs) -> Later:
         """Post Generator.generate's arguments (``n``, ``stop_token_ids``, ``seed``, ...), each replica its
         contiguous block of ``prompts``, and return."""
         if self.world.sender:
             for mailbox, (a, b) in zip(self.mailboxes, prompt_blocks(len(prompts), self.world.replicas)):
                 mailbox.put("msg", {"op": "generate", "prompts": prompts[a:b], "first_prompt": a, **generate_kwargs})
+        number = self.requests
         self.requests += 1
-        return _Request(self, self.requests - 1)
+        return Later(lambda: self._take(number))
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
         """Generator.generate on the replicas; every rank gets the rollouts."""
@@ -176,20 +178,6 @@ class RemoteGenerator:
 
 def _who(replica: int, replicas: int) -> str:
     return "generator rank" if replicas == 1 else f"generator replica {replica}"
-
-
-class _Request:
-    """A generate request posted to the generator replicas (a Pending of generator/base.py)."""
-
-    def __init__(self, client: RemoteGenerator, number: int) -> None:
-        self.client, self.number = client, number
-        self.rollouts: Rollouts | None = None
-
-    def result(self) -> Rollouts:
-        """Collective the first time (every trainer rank calls it in the same order)."""
-        if self.rollouts is None:
-            self.rollouts = self.client._take(self.number)
-        return self.rollouts
 
 
 # -------------------------------------------------------------- generator side

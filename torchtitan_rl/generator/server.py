@@ -279,7 +279,7 @@ class RolloutServer:
             choice = {"index": k, "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
             if req.logprobs is not None:
                 choice["logprobs"] = {
-                    "tokens": [self._token(t) for t in s.token_ids],
+                    "tokens": self.tokenizer.convert_ids_to_tokens(s.token_ids),  # one call, not one per token
                     "token_logprobs": [_finite(lp) for lp in s.logprobs],
                     "top_logprobs": None if s.top_logprobs is None else [
                         {self._token(t): _finite(lp) for t, lp in pos.items()} for pos in s.top_logprobs],
@@ -312,9 +312,10 @@ class RolloutServer:
                       "finish_reason": s.finish_reason, "logprobs": None}
             if req.logprobs:
                 choice["logprobs"] = {"content": [
-                    {"token": self._token(t), "logprob": _finite(lp), "top_logprobs": [
+                    {"token": token, "logprob": _finite(lp), "top_logprobs": [
                         {"token": self._token(u), "logprob": _finite(v)} for u, v in (top or {}).items()]}
-                    for t, lp, top in zip(s.token_ids, s.logprobs, s.top_logprobs or [None] * len(s.token_ids))
+                    for token, lp, top in zip(self.tokenizer.convert_ids_to_tokens(s.token_ids), s.logprobs,
+                                              s.top_logprobs or [None] * len(s.token_ids))
                 ]}
             if req.return_token_ids:
                 choice["token_ids"] = s.token_ids

@@ -13,13 +13,14 @@ import json
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
+from torchtitan_rl.generator.base import Later
 from torchtitan_rl.generator.generator import Rollouts
 from torchtitan_rl.generator.server import connect_host, sync_port
 from torchtitan_rl.weight_sync import NcclSender, World
@@ -97,30 +98,28 @@ class ServerGenerator:
         world = World("trainer", self.rank, dist.get_world_size(), device, store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")
-        """Trainer rank 0: the HTTP requests in flight (grpo.max_staleness of them at most, plus an evaluation)."""
-        self.inflight: list[_Request] = []
+        self.inflight: list[Future] = []
+        """Trainer rank 0: the HTTP requests not yet answered (grpo.max_staleness of them at most)."""
 
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
         """Send ``state`` to the server, which serves ``version`` to the requests submitted after this;
         seconds the transfer took, once the requests submitted before have been answered (the server would
         otherwise admit a late one after the sync)."""
-        if self.rank == 0:
-            for request in self.inflight:
-                request.reply.exception()  # waits; an error is raised by its result()
+        for reply in self.inflight:
+            reply.exception()  # waits; an error is raised by its result()
         self.inflight = []
         return self.sender.sync(state, version=version).seconds
 
     def submit(self, prompts: list[list[int]], *, n: int = 1, sampling: SamplingConfig | None = None,
-               stop_token_ids: list[int] | None = None, seed: int | None = None) -> "_Request":
+               stop_token_ids: list[int] | None = None, seed: int | None = None) -> Later:
         """POST the request from a background thread (trainer rank 0) and return at once."""
         reply = None
         if self.rank == 0:
             s = sampling or self.cfg.generator.sampling
             reply = self.pool.submit(self._complete, prompts, n, s, stop_token_ids, seed)
-        request = _Request(self, reply)
-        # Only what a sync must wait for: a finished request is dropped (the no-sync control never syncs).
-        self.inflight = [r for r in self.inflight if r.reply is not None and not r.reply.done()] + [request]
-        return request
+            # Only what a sync must wait for: answered ones are dropped (the no-sync control never syncs).
+            self.inflight = [r for r in self.inflight if not r.done()] + [reply]
+        return Later(lambda: self._take(reply))
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
         """``n`` completions per prompt, group-contiguous, with token ids, logprobs and the weight version."""
@@ -165,16 +164,3 @@ class ServerGenerator:
                 self.client.request("POST", "/control/disconnect", {"session": self.session})
             except (ServerError, OSError):
                 pass  # the server is gone already: nothing to end
-
-
-class _Request:
-    """A request in flight (a Pending of generator/base.py); its result() is collective."""
-
-    def __init__(self, client: ServerGenerator, reply) -> None:
-        self.client, self.reply = client, reply
-        self.rollouts: Rollouts | None = None
-
-    def result(self) -> Rollouts:
-        if self.rollouts is None:
-            self.rollouts = self.client._take(self.reply)
-        return self.rollouts
