@@ -84,7 +84,7 @@ class ServerClient:
 
     def wait_ready(self, timeout_s: float) -> dict:
         """GET /health until the server answers (it may still be starting its engine); says so meanwhile."""
-        started = said = time.monotonic()
+        started, said = time.monotonic(), None
         while True:
             try:
                 return self.request("GET", "/health")
@@ -93,7 +93,7 @@ class ServerClient:
                 if waited >= timeout_s:
                     raise ServerGone(f"{e} Waited {timeout_s:g} s (weight_sync.peer_timeout_s); start it with "
                                      "`python -m torchtitan_rl.serve`") from None
-                if waited == 0 or time.monotonic() - said >= _SAY_EVERY_S:
+                if said is None or time.monotonic() - said >= _SAY_EVERY_S:
                     print(f"torchtitan_rl: waiting for the rollout server at {self.base_url} ({waited:.0f} s of "
                           f"{timeout_s:g} s, weight_sync.peer_timeout_s)", flush=True)
                     said = time.monotonic()
