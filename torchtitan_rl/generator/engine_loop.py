@@ -14,9 +14,10 @@ The gate, as in the Generator:
 - a sync: the weight-sync receiver calls ``begin_sync`` before it writes a
   byte. That stops admissions, waits until every admitted sample finished
   (their version's weights are still intact), then lets the sync write.
-  ``finish_sync`` publishes the new version and admits what queued
+  ``finish_sync`` publishes the new version, ``resume`` admits what queued
   meanwhile. So a sample runs start to end on one version, the one it
-  reports: no response mixes two versions, and none is dropped.
+  reports: no response mixes two versions, and none is dropped (unless
+  a sync stalls past ``sync_wait_s``: then 503).
 The loop passes itself to the NcclReceiver in the Generator's place (the
 same ``model``, ``weight_version``, ``begin_sync``/``finish_sync``/``abort_sync``);
 the sync's owner then calls ``resume``, naming the session whose weights

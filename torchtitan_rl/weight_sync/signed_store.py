@@ -49,7 +49,7 @@ class SignedStore(dist.Store):
         if not hmac.compare_digest(mac, self._mac(key, value)):
             if (key, raw) not in self._seen:
                 self._seen.add((key, raw))
-                self.log(f"torchtitan_rl serve: rejected a store message at {key!r} in session "
+                self.log(f"torchtitan_rl: rejected a store message at {key!r} in session "
                          f"{self.session[:8]}: bad signature (written without serve.token, or replayed); ignored")
             raise ForgedMessage(f"{key}: bad signature")
         return value
