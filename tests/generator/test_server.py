@@ -53,10 +53,9 @@ def _config(port: int, sync_port: int, out: Path):
     return cfg
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The server process; yields its config (the trainer side reads the same serve section)."""
-    out = tmp_path_factory.mktemp("serve")
+@contextlib.contextmanager
+def _server_process(out: Path):
+    """A server process on 127.0.0.1, up and answering; yields (its config, the process)."""
     cfg = _config(free_port(), free_port(), out / "trainer")
     log = open(out / "server.log", "w")
     proc = subprocess.Popen(  # the secrets from the environment, as a user keeps them out of `ps`
@@ -78,11 +77,18 @@ def server(tmp_path_factory):
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline, (out / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
-        yield cfg
+        yield cfg, proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server process; yields its config (the trainer side reads the same serve section)."""
+    with _server_process(tmp_path_factory.mktemp("serve")) as (cfg, _):
+        yield cfg
 
 
 def _request(cfg, method: str, path: str, body=None, *, raw: bytes | None = None, token: str | None = None,
@@ -524,6 +530,24 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
     trainer.sync(native_state(trainer_model(seed=5)), version=31)
     status, _, body = _complete(server)
     assert status == 200 and body["weight_version"] == 31, body
+
+
+@pytest.mark.slow
+def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
+    from torchtitan_rl.generator.server_client import ServerGone
+
+    with _server_process(tmp_path) as (cfg, proc):
+        trainer = _connect(cfg)
+        trainer.sync(native_state(trainer_model(seed=0)), version=1)
+        proc.kill()  # kill -9
+        proc.wait(timeout=30)
+        url = f"http://127.0.0.1:{cfg.serve.port}"
+        with pytest.raises(ServerGone) as e:
+            trainer.sync(native_state(trainer_model(seed=1)), version=2)
+        assert f"rollout server {url}: the sync of version 2 failed" in str(e.value), e.value
+        assert "it does not answer" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ServerGone, match=f"rollout server {url}: no answer to POST /v1/completions"):
+            trainer.rollouts(PROMPTS[:1])
 
 
 def test_serve_without_a_token_is_one_line_and_exit_2():

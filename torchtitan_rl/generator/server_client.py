@@ -162,6 +162,8 @@ class ServerGenerator:
             notice = self.store.get(ENDED).decode() if self.store.check([ENDED]) else None
         except ForgedMessage:
             notice = None  # logged by the store; only the server's own notice counts
+        except dist.DistError:
+            notice = None  # the store is gone with its server: the caller says so
         if notice:
             raise ServerGone(f"rollout server {self.client.base_url}: this trainer was replaced: {notice}")
 
