@@ -2,6 +2,7 @@
 
     python scripts/bench_server.py                       # CPU: tiny model load test + LoRA on debugmodel
     python scripts/bench_server.py --lora-flavor 0.6B    # LoRA updates of the 0.6B shape
+    python scripts/bench_server.py --clients 50,100,200 --no-lora --section "Rollout server latency (cpu)"
 
 1. Load: a server (run_configs/cpu_tiny.toml) synced once; C client threads
    send R requests (one prompt, n completions, max_tokens each); per-request
@@ -68,7 +69,8 @@ def load_test(args, workdir: Path) -> list[list]:
         model = trainer_model(seed=0)
         trainer = ServerGenerator(cfg, reference=native_state(model), device=torch.device("cpu"))
         trainer.sync(native_state(model), version=1)
-        prompts = [p.token_ids for p in DigitsTask().sample_prompts(args.requests, generator=random.Random(0))]
+        total = max([args.requests] + [args.per_client * c for c in args.clients])
+        prompts = [p.token_ids for p in DigitsTask().sample_prompts(total, generator=random.Random(0))]
         body = dict(model=cfg.serve.model_name, n=args.n, max_tokens=args.max_tokens, logprobs=0,
                     return_token_ids=True, stop_token_ids=[EOS])
         client = ServerClient(f"http://127.0.0.1:{cfg.serve.port}")
@@ -100,7 +102,8 @@ def load_test(args, workdir: Path) -> list[list]:
                 t.join()
             return time.perf_counter() - started, latencies, tokens[0]
 
-        for clients, count in ((args.clients, args.requests), (1, args.sequential)):
+        runs = [(c, max(args.requests, args.per_client * c)) for c in args.clients] + [(1, args.sequential)]
+        for clients, count in runs:
             wall, lat, toks = run(clients, count)
             q = statistics.quantiles(lat, n=100)
             rows.append([f"server, {clients} concurrent client{'s' * (clients > 1)}", count, toks,
@@ -181,31 +184,36 @@ def lora_updates(args, workdir: Path) -> list[list]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=lambda s: [int(c) for c in s.split(",")], default=[32],
+                        help="concurrent clients, one load run per comma-separated count")
     parser.add_argument("--requests", type=int, default=320)
+    parser.add_argument("--per-client", type=int, default=0, help="at least this many requests per client")
     parser.add_argument("--sequential", type=int, default=40, help="requests of the one-at-a-time runs")
     parser.add_argument("--n", type=int, default=4, help="completions per request")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--lora-flavor", default="debugmodel")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-lora", action="store_true", help="the load test only")
+    parser.add_argument("--section", default="Rollout server (cpu)", help="the docs/benchmarks.md section to write")
     args = parser.parse_args()
     init_process_group(torch.device("cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "load").mkdir()
         (Path(tmp) / "lora").mkdir()
         load = load_test(args, Path(tmp) / "load")
-        lora = lora_updates(args, Path(tmp) / "lora")
+        lora = [] if args.no_lora else lora_updates(args, Path(tmp) / "lora")
     body = table(["path", "requests", "completion tokens", "wall s", "tokens/s", "requests/s", "p50 ms", "p99 ms"],
                  load)
     body += (f"\nEach request: one digits prompt, n={args.n}, max_tokens={args.max_tokens}, stop at eos, the tiny "
              "Qwen3 (run_configs/cpu_tiny.toml) with synced weights. The in-process batch is the training path "
              "(one generate call); the server's concurrent clients reach the same engine through HTTP, JSON and "
              "continuous batching.\n\n")
-    body += table(["model", "sync", "MiB moved", "ms"], lora)
-    body += ("\nThrough the server (gloo on CPU, the trainer in this process): the first sync of a LoRA run moves "
-             "base + adapter in buckets, every later one only the adapter, as one flat bucket.\n")
-    write_section("Rollout server (cpu)", device="cpu", body=body)
+    if lora:
+        body += table(["model", "sync", "MiB moved", "ms"], lora)
+        body += ("\nThrough the server (gloo on CPU, the trainer in this process): the first sync of a LoRA run "
+                 "moves base + adapter in buckets, every later one only the adapter, as one flat bucket.\n")
+    write_section(args.section, device="cpu", body=body)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The rollout server: python -m torchtitan_rl.serve --config run_configs/cpu_tiny.toml --serve.token SECRET
 
+(or TORCHTITAN_RL_SERVE_TOKEN=SECRET in the environment, out of sight of `ps`.)
+
 The same JobConfig as the trainer (model, generator, task for the tokenizer,
 serve section). It serves nothing until a trainer started with
 ``--weight_sync.transport server`` (and the same serve section) connects and
@@ -40,13 +42,14 @@ def serve(cfg) -> None:
         cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
         workdir=workdir, batch_invariant=cfg.batch_invariant_mode, tokenizer_dir=tokenizer_dir,
     )
-    loop = EngineLoop(generator)
+    loop = EngineLoop(generator, sync_wait_s=cfg.serve.sync_timeout_s)
     try:
         sessions = SyncSessions(loop, host=cfg.serve.host, port=sync_port(cfg), device=device,
-                                timeout_s=cfg.weight_sync.peer_timeout_s)
+                                secret=cfg.serve.token, timeout_s=cfg.serve.sync_timeout_s)
         server = RolloutServer(cfg, loop=loop, sessions=sessions, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
         print(f"torchtitan_rl serve: http://{cfg.serve.host}:{cfg.serve.port} (model {cfg.serve.model_name!r}, "
-              f"sync port {sync_port(cfg)}); nothing is served before the trainer's first sync", flush=True)
+              f"sync port {sync_port(cfg)}, generation {'behind serve.api_key' if cfg.serve.api_key else 'open'}); "
+              "nothing is served before the trainer's first sync", flush=True)
         uvicorn.run(server.app(), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
                     timeout_graceful_shutdown=5)
     finally:

@@ -1,12 +1,15 @@
 """A trainer that dies in the middle of a sync (tests/generator/test_server.py).
 
-python server_trainer_worker.py PORT SYNC_PORT TOKEN DIE_AFTER: connects to the
-rollout server, syncs version 30 in full, then starts syncing version 31 in
-4 KiB buckets and exits (code 3) right after its DIE_AFTER-th broadcast of it
-has left, as a killed process would: no error message, no goodbye.
+python server_trainer_worker.py PORT SYNC_PORT TOKEN API_KEY DIE_AFTER [stop]: connects to
+the rollout server, syncs version 30 in full, then starts syncing version 31
+in 4 KiB buckets and exits (code 3) right after its DIE_AFTER-th broadcast of
+it has left, as a killed process would: no error message, no goodbye. With
+``stop`` it stops itself there instead (SIGSTOP: a hung trainer, or one
+behind a dead link) for the test to kill -9.
 """
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,9 +24,9 @@ from torchtitan_rl.trainer.distributed import init_process_group  # noqa: E402
 from torchtitan_rl.weight_sync import nccl  # noqa: E402
 
 
-def main(port: int, sync_port: int, token: str, die_after: int) -> None:
+def main(port: int, sync_port: int, token: str, api_key: str, die_after: int, stop: bool) -> None:
     cfg = load_toml(Path(__file__).resolve().parents[2] / "run_configs" / "cpu_tiny.toml")
-    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token = port, sync_port, token
+    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token, cfg.serve.api_key = port, sync_port, token, api_key
     cfg.weight_sync.peer_timeout_s = 60.0
     init_process_group(torch.device("cpu"))
     generator = ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))
@@ -37,6 +40,9 @@ def main(port: int, sync_port: int, token: str, die_after: int) -> None:
         work.wait()  # the bytes left this process
         sent[0] += 1
         if sent[0] == die_after:
+            print("stalling" if stop else "dying", flush=True)
+            if stop:
+                os.kill(os.getpid(), signal.SIGSTOP)
             os._exit(3)
         return work
 
@@ -46,4 +52,4 @@ def main(port: int, sync_port: int, token: str, die_after: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:] == ["stop"])

@@ -3,12 +3,17 @@
 One server (run_configs/cpu_tiny.toml, real vLLM CPU engine) serves the whole
 module; this process plays the trainer (ServerGenerator: the same client the
 GRPO loop uses), and for the crash tests a trainer subprocess that dies in
-the middle of a sync. The tests run in file order: the first one needs a
-server that has not been synced yet.
+the middle of a sync. The tests run in file order: the first two need a
+server that has not been synced yet. The server gets its token and API key
+from the environment.
 """
 
+import contextlib
 import json
+import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,34 +32,39 @@ from torchtitan_rl.weight_sync import WeightSync
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 TOKEN = "test-secret"
+API_KEY = "test-key"
 EOS = 2
 """<eos> of the digits tokenizer (run_configs/cpu_tiny.toml's task)."""
 WAIT_S = 3.0
 """generator.wait_for_weights_s of the server: a request before the first sync waits this long, then 503.
 Long enough for a sync of the tiny model to land inside it (tens of ms), short enough to wait out."""
+SYNC_TIMEOUT_S = 5.0
+"""serve.sync_timeout_s of the server: a stalled trainer's sync is dropped after this."""
+MAX_REQUESTS = 48
+"""serve.max_concurrent_requests of the server: above the load test's 32 clients."""
 
 
 def _config(port: int, sync_port: int, out: Path):
     cfg = load_toml(CPU_TINY)
     cfg.job.output_dir = str(out)
-    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token = port, sync_port, TOKEN
+    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token, cfg.serve.api_key = port, sync_port, TOKEN, API_KEY
     cfg.weight_sync.transport = "server"
     cfg.weight_sync.peer_timeout_s = 60.0
     return cfg
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The server process; yields its config (the trainer side reads the same serve section)."""
-    out = tmp_path_factory.mktemp("serve")
+@contextlib.contextmanager
+def _server_process(out: Path):
+    """A server process on 127.0.0.1, up and answering; yields (its config, the process)."""
     cfg = _config(free_port(), free_port(), out / "trainer")
     log = open(out / "server.log", "w")
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # the secrets from the environment, as a user keeps them out of `ps`
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(out / "server"),
          "--serve.port", str(cfg.serve.port), "--serve.sync_port", str(cfg.serve.sync_port),
-         "--serve.token", TOKEN, "--generator.wait_for_weights_s", str(WAIT_S),
-         "--weight_sync.peer_timeout_s", "60"],
+         "--generator.wait_for_weights_s", str(WAIT_S), "--weight_sync.peer_timeout_s", "60",
+         "--serve.sync_timeout_s", str(SYNC_TIMEOUT_S), "--serve.max_concurrent_requests", str(MAX_REQUESTS)],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "TORCHTITAN_RL_SERVE_TOKEN": TOKEN, "TORCHTITAN_RL_API_KEY": API_KEY},
     )
     cfg.log = out / "server.log"
     try:
@@ -67,22 +77,33 @@ def server(tmp_path_factory):
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline, (out / "server.log").read_text()[-3000:]
                 time.sleep(0.5)
-        yield cfg
+        yield cfg, proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
 
 
-def _request(cfg, method: str, path: str, body=None, *, raw: bytes | None = None, token: str | None = None):
-    """(status, headers, JSON body) of one request; HTTP errors are returned, not raised."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server process; yields its config (the trainer side reads the same serve section)."""
+    with _server_process(tmp_path_factory.mktemp("serve")) as (cfg, _):
+        yield cfg
+
+
+def _request(cfg, method: str, path: str, body=None, *, raw: bytes | None = None, token: str | None = None,
+             timeout: float = 120):
+    """(status, headers, JSON body) of one request; HTTP errors are returned, not raised. /v1 requests carry the
+    API key unless a ``token`` is given ("" for none)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(f"http://127.0.0.1:{cfg.serve.port}{path}", data=data, method=method)
     req.add_header("Content-Type", "application/json")
+    if token is None and path.startswith("/v1/"):
+        token = API_KEY
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
@@ -94,10 +115,10 @@ def _get(cfg, path: str) -> dict:
     return body
 
 
-def _complete(cfg, prompt=PROMPTS[0], **fields):
+def _complete(cfg, prompt=PROMPTS[0], *, timeout: float = 120, **fields):
     return _request(cfg, "POST", "/v1/completions", {
         "model": "torchtitan_rl", "prompt": prompt, "max_tokens": 4, "logprobs": 0, "return_token_ids": True, **fields,
-    })
+    }, timeout=timeout)
 
 
 def _connect(cfg):
@@ -107,6 +128,36 @@ def _connect(cfg):
 
     init_process_group(torch.device("cpu"))  # the sender's collectives run on a one-rank trainer world
     return ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def _hanging_up(cfg, body: dict):
+    """A completion request sent on a raw connection, closed when the block ends without reading the answer."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", cfg.serve.port)) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        yield
+
+
+def _health_until(cfg, ready, timeout_s: float) -> dict:
+    """GET /health until ``ready(health)``; the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while not ready(health := _get(cfg, "/health")):
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+    return health
+
+
+def test_a_client_that_hangs_up_while_waiting_for_weights_is_dropped_from_the_queue(server):
+    if _get(server, "/health")["weight_version"] is not None:
+        pytest.skip("needs a server nobody synced yet: run the whole module")
+    before = _get(server, "/health")
+    with _hanging_up(server, {"model": "torchtitan_rl", "prompt": PROMPTS[0], "max_tokens": 4, "n": 3}):
+        _health_until(server, lambda h: h["queued"] == 3, timeout_s=WAIT_S - 1)  # waiting for weights
+    # Dropped when the client left, not when its wait for weights ran out.
+    health = _health_until(server, lambda h: h["queued"] == 0, timeout_s=WAIT_S - 1.5)
+    assert health["dropped"] == before["dropped"] + 3 and health["status"] == "ok", health
 
 
 def test_requests_before_the_first_sync_get_503_and_a_waiting_one_gets_version_1(server):
@@ -216,6 +267,7 @@ def _announce_big_body(cfg):
     conn = http.client.HTTPConnection("127.0.0.1", cfg.serve.port, timeout=60)
     conn.putrequest("POST", "/v1/completions")
     conn.putheader("Content-Type", "application/json")
+    conn.putheader("Authorization", f"Bearer {API_KEY}")
     conn.putheader("Content-Length", str(17 << 20))
     conn.endheaders()
     resp = conn.getresponse()
@@ -225,13 +277,24 @@ def _announce_big_body(cfg):
         conn.close()
 
 
+def _ensure_weights(cfg) -> None:
+    if _get(cfg, "/health")["weight_version"] is None:  # run alone: give it weights to serve
+        _connect(cfg).sync(native_state(trainer_model(seed=0)), version=1)
+
+
 def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server):
-    if _get(server, "/health")["weight_version"] is None:  # run alone: give it weights to serve
-        _connect(server).sync(native_state(trainer_model(seed=0)), version=1)
+    _ensure_weights(server)
     cases = [
         (_announce_big_body(server), 413, "serve.max_body_mb"),
         (_request(server, "POST", "/v1/completions", raw=b'{"model": "torchtitan_rl", "prompt": [1,'), 400,
          "malformed JSON"),
+        (_request(server, "POST", "/v1/completions",
+                  raw=b'{"model": "torchtitan_rl", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400,
+         "nested too deeply"),
+        (_complete(server, prompt="1+2=" * 1000), 400, "characters exceed the context of 64 tokens"),
+        (_request(server, "POST", "/v1/completions", {"model": "torchtitan_rl", "prompt": [1]}, token=""), 401,
+         "serve.api_key"),
+        (_request(server, "GET", "/v1/models", token="wrong"), 401, "serve.api_key"),
         (_complete(server, model="gpt-4"), 404, "model 'gpt-4' is not served"),
         (_complete(server, prompt=[1] * 70), 400, "exceed the context of 64 tokens"),
         (_complete(server, prompt=[1, 99]), 400, "outside the vocabulary"),
@@ -262,6 +325,157 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
     status, _, body = _request(server, "POST", "/control/disconnect", {"session": "not-the-current"}, token=TOKEN)
     assert status == 200 and body["ended"] is False, body
     assert _get(server, "/v1/models")["data"][0]["id"] == "torchtitan_rl"
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net writes them) of the sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, port_hex = local.rsplit(":", 1)
+            if state == "0A" and int(port_hex, 16) == port:
+                found.append(address)
+    return found
+
+
+def test_the_http_and_sync_ports_listen_on_the_serve_host_only(server):
+    assert _listeners(server.serve.port) == ["0100007F"]  # 127.0.0.1
+    assert _listeners(server.serve.sync_port) == ["0100007F"]
+
+
+def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    trainer = _connect(server)
+    models = {40: trainer_model(seed=40), 41: trainer_model(seed=41)}
+    trainer.sync(native_state(models[40]), version=40)
+    # An attacker on the sync port, without the token: it can read the keys, not sign them.
+    store = dist.TCPStore("127.0.0.1", server.serve.sync_port, is_master=False, timeout=timedelta(seconds=10))
+    keys = f"torchtitan_rl/serve/{trainer.session}/torchtitan_rl/weight_sync/weights"
+    genuine = store.get(f"{keys}/header/1")
+    rejected = server.log.read_text().count("rejected a store message")
+    forged = json.dumps({"version": 999999, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off",
+                         "samples": 0})
+    for value in (forged, genuine):  # written without the token; the first sync's own header, replayed
+        store.set(f"{keys}/header/2", value)
+        deadline = time.monotonic() + 10
+        while server.log.read_text().count("rejected a store message") < rejected + 1:
+            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+            time.sleep(0.05)
+        rejected += 1
+        status, _, body = _complete(server, timeout=20)  # not paused by a sync that never comes
+        assert status == 200 and body["weight_version"] == 40, body
+        assert _get(server, "/health")["weight_version"] == 40
+    assert "sync -> version 999999" not in server.log.read_text()
+    # The trainer's own next sync overwrites the forgery and lands.
+    trainer.sync(native_state(models[41]), version=41)
+    status, _, body = _complete(server, n=2)
+    assert status == 200 and body["weight_version"] == 41 and body["weight_session"] == trainer.session, body
+    assert_serves(_as_rollouts(body, 41), models[41], not_=[models[40]])
+
+
+def test_a_15_mb_prompt_is_refused_while_health_answers_within_100_ms(server):
+    _ensure_weights(server)
+    replies, latencies = [], []
+    raw = json.dumps({"model": "torchtitan_rl", "prompt": "1+2=" * (15_000_000 // 4)}).encode()
+    big = threading.Thread(target=lambda: replies.append(_request(server, "POST", "/v1/completions", raw=raw)))
+    big.start()
+    while big.is_alive() or not latencies:
+        started = time.perf_counter()
+        _get(server, "/health")
+        latencies.append(time.perf_counter() - started)
+    big.join()
+    assert max(latencies) < 0.1, latencies
+    status, _, body = replies[0]
+    assert status == 400 and "characters exceed the context of 64 tokens" in body["error"]["message"], body
+
+
+def test_a_client_that_hangs_up_mid_generation_has_its_samples_aborted(server):
+    _ensure_weights(server)
+    before = _get(server, "/health")
+    body = {"model": "torchtitan_rl", "prompt": PROMPTS[0], "max_tokens": 50, "n": 2048, "seed": 5}
+    with _hanging_up(server, body):
+        _health_until(server, lambda h: h["running"] > 0, timeout_s=30)
+    health = _health_until(server, lambda h: h["running"] == 0, timeout_s=10)
+    assert health["aborted"] > before["aborted"], health
+    status, _, reply = _complete(server)  # the engine loop lives on
+    assert status == 200 and health["status"] == "ok", reply
+
+
+def test_more_requests_than_serve_max_concurrent_requests_get_429_with_retry_after(server):
+    _ensure_weights(server)
+    clients = MAX_REQUESTS + 24
+    start = threading.Barrier(clients)
+
+    def client(c: int):
+        start.wait()
+        return _complete(server, n=16, max_tokens=40, seed=c)
+
+    with ThreadPoolExecutor(clients) as pool:
+        replies = list(pool.map(client, range(clients)))
+    limited = [(h, b) for status, h, b in replies if status == 429]
+    assert limited and len(limited) <= clients - MAX_REQUESTS, [r[0] for r in replies]
+    assert all(h["retry-after"] == "1" and "serve.max_concurrent_requests" in b["error"]["message"]
+               for h, b in limited)
+    assert {status for status, _, _ in replies} == {200, 429}
+
+
+def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server):
+    from torchtitan_rl.generator.server_client import ServerGone
+
+    first = _connect(server)
+    first.sync(native_state(trainer_model(seed=50)), version=50)
+    second = _connect(server)
+    second.sync(native_state(trainer_model(seed=0)), version=0)  # a new run restarts its versions
+    status, headers, body = _complete(server)
+    assert (body["weight_version"], body["weight_session"]) == (0, second.session), body
+    assert headers["x-weight-session"] == second.session
+    with pytest.raises(ServerGone, match="this trainer was replaced: another trainer connected") as e:
+        first.sync(native_state(trainer_model(seed=51)), version=51)
+    assert "\n" not in str(e.value) and f"http://127.0.0.1:{server.serve.port}" in str(e.value)
+    with pytest.raises(ServerGone, match="replaced"):
+        first.rollouts(PROMPTS[:1])
+    assert second.rollouts(PROMPTS[:1]).weight_version == 0
+
+
+@pytest.mark.slow
+def test_a_trainer_stalled_mid_sync_is_dropped_then_killed_and_a_new_trainer_syncs(server):
+    """The worker syncs version 30, then stops itself (SIGSTOP) after one broadcast of the next sync, as a hung
+    trainer or a dead link would: the server drops that sync after serve.sync_timeout_s and serves on."""
+    ended = server.log.read_text().count("ended:")
+    worker = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("server_trainer_worker.py")), str(server.serve.port),
+         str(server.serve.sync_port), TOKEN, API_KEY, "1", "stop"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        for line in worker.stdout:  # its sync is in flight, one bucket sent
+            if line.strip() == "stalling":
+                break
+        else:
+            pytest.fail(f"the worker ended before it stalled: exit {worker.wait()}")
+        started = time.monotonic()
+        # A request while the sync hangs: answered within the sync timeout (503) or right after it (200).
+        status, _, body = _complete(server, timeout=SYNC_TIMEOUT_S + 20)
+        assert time.monotonic() - started < SYNC_TIMEOUT_S + 10
+        assert (status, body.get("weight_version")) == (200, 30) or status == 503, body
+        deadline = time.monotonic() + SYNC_TIMEOUT_S + 10
+        while server.log.read_text().count("ended:") < ended + 1:
+            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert "still serving version 30" in server.log.read_text()
+        status, _, body = _complete(server)
+        assert status == 200 and body["weight_version"] == 30, body  # nothing had been written
+        trainer = _connect(server)  # a new trainer, the old one still hanging
+        trainer.sync(native_state(trainer_model(seed=32)), version=32)
+        status, _, body = _complete(server)
+        assert status == 200 and body["weight_version"] == 32, body
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -296,7 +510,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
     ended = server.log.read_text().count("ended:")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("server_trainer_worker.py")), str(server.serve.port),
-         str(server.serve.sync_port), TOKEN, str(die_after)],
+         str(server.serve.sync_port), TOKEN, API_KEY, str(die_after)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr  # its deliberate exit mid-sync
@@ -316,6 +530,24 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
     trainer.sync(native_state(trainer_model(seed=5)), version=31)
     status, _, body = _complete(server)
     assert status == 200 and body["weight_version"] == 31, body
+
+
+@pytest.mark.slow
+def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
+    from torchtitan_rl.generator.server_client import ServerGone
+
+    with _server_process(tmp_path) as (cfg, proc):
+        trainer = _connect(cfg)
+        trainer.sync(native_state(trainer_model(seed=0)), version=1)
+        proc.kill()  # kill -9
+        proc.wait(timeout=30)
+        url = f"http://127.0.0.1:{cfg.serve.port}"
+        with pytest.raises(ServerGone) as e:
+            trainer.sync(native_state(trainer_model(seed=1)), version=2)
+        assert f"rollout server {url}: the sync of version 2 failed" in str(e.value), e.value
+        assert "it does not answer" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(ServerGone, match=f"rollout server {url}: no answer to POST /v1/completions"):
+            trainer.rollouts(PROMPTS[:1])
 
 
 def test_serve_without_a_token_is_one_line_and_exit_2():

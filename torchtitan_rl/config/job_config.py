@@ -261,7 +261,18 @@ class ServeConfig:
     sync_port: int = 0
     """TCP port of the weight-sync rendezvous (a torch.distributed store); 0 takes serve.port + 1."""
     token: str = ""
-    """Shared secret the trainer sends (Authorization: Bearer) to the control endpoints; required to serve."""
+    """Shared secret of the trainer and the server: the control endpoints' Bearer token and the key that signs
+    every sync message; required. Or set TORCHTITAN_RL_SERVE_TOKEN (kept out of `ps`); config.toml redacts it."""
+    api_key: str = ""
+    """Bearer key the generation endpoints (/v1/*) require (vLLM's --api-key); empty: open to whoever reaches
+    the port, allowed only on a loopback serve.host. Or set TORCHTITAN_RL_API_KEY; config.toml redacts it."""
+    sync_timeout_s: float = 30.0
+    """Server side: seconds one step of a sync (a header's buckets, a verdict) may take before the server drops
+    the sync of a dead or stalled trainer and serves on; also how long a request queued behind a sync waits
+    before its 503."""
+    max_concurrent_requests: int = 1024
+    """Generation requests in progress at once (queued for the engine or running); one more gets 429 with
+    Retry-After."""
     model_name: str = "torchtitan_rl"
     """Model name listed at /v1/models; requests naming another model get 404."""
     max_body_mb: float = 16.0

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import ipaddress
 import json
 import os
 import re
@@ -151,7 +152,8 @@ def _emit(obj: Any, table: str, lines: list[str]) -> None:
         elif value is None:
             assert f.default is None, f"{table}.{f.name}: None must be the default to round-trip"
         else:
-            lines.append(f"{f.name} = {_toml_value(value)}")
+            secret = f"{table}.{f.name}" in SECRETS and value
+            lines.append(f"{f.name} = {_toml_value(REDACTED if secret else value)}")
     for name, value in sub_tables:
         _emit(value, f"{table}.{name}" if table else name, lines)
 
@@ -327,8 +329,21 @@ def _check_eval(cfg: JobConfig) -> None:
         raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
 
 
+SECRETS = {"serve.token": "TORCHTITAN_RL_SERVE_TOKEN", "serve.api_key": "TORCHTITAN_RL_API_KEY"}
+"""Secret fields and the environment variables that may hold them; config.toml shows them as REDACTED."""
+REDACTED = "<redacted>"
+
+
 def check_serve(cfg: JobConfig) -> None:
-    """The serve section, for the rollout server and for a trainer that uses it (transport=server)."""
+    """The serve section, for the rollout server and for a trainer that uses it (transport=server).
+
+    Secrets not given (or read back redacted from a run's config.toml) are taken from the environment."""
+    for name, env in SECRETS.items():
+        field = name.split(".")[1]
+        if getattr(cfg.serve, field) in ("", REDACTED) and os.environ.get(env):
+            setattr(cfg.serve, field, os.environ[env])
+        if getattr(cfg.serve, field) == REDACTED:
+            raise ValueError(f"{name}: the config file shows it redacted; pass it with --{name} or {env}")
     for name in ("serve.port", "serve.sync_port"):
         if not 0 <= _get(cfg, name) <= 65535:
             raise ValueError(f"{name}: must be a TCP port in [0, 65535], got {_get(cfg, name)}")
@@ -338,8 +353,13 @@ def check_serve(cfg: JobConfig) -> None:
         raise ValueError(f"serve.sync_port: {cfg.serve.sync_port or cfg.serve.port + 1} is not a free second port "
                          f"beside serve.port {cfg.serve.port}; set serve.sync_port")
     if not cfg.serve.token:
-        raise ValueError("serve.token: set a shared secret; the trainer's control requests must carry it")
-    _positive(cfg, "serve.max_body_mb", "serve.max_n", "weight_sync.peer_timeout_s")
+        raise ValueError("serve.token: set a shared secret (or TORCHTITAN_RL_SERVE_TOKEN); the trainer's control "
+                         "requests and sync messages must carry it")
+    if not cfg.serve.api_key and not _loopback(cfg.serve.host):
+        raise ValueError(f"serve.api_key: required when serve.host ({cfg.serve.host}) is reachable beyond this "
+                         "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
+    _positive(cfg, "serve.max_body_mb", "serve.max_n", "serve.sync_timeout_s", "serve.max_concurrent_requests",
+              "weight_sync.peer_timeout_s")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         raise ValueError("model.lora.sync: 'merged' is not supported by the rollout server; use 'adapter'")
     per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size
@@ -352,6 +372,13 @@ def check_serve(cfg: JobConfig) -> None:
                 f"generator.parallelism.{name}: the rollout server runs one engine on one device, "
                 f"so it must be 1, got {getattr(cfg.generator.parallelism, name)}"
             )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:

@@ -114,3 +114,5 @@ def parse(model: type[BaseModel], body) -> BaseModel:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
         raise HttpError(400, f"{field}: {first['msg']}", param=field) from None
+    except RecursionError:
+        raise HttpError(400, "the request body is nested too deeply") from None

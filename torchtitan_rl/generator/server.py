@@ -12,10 +12,15 @@ NaN-poisoned: it serves nothing before the first sync), an EngineLoop
     POST /control/connect      (Bearer serve.token) a trainer opens a sync session
     POST /control/disconnect   (Bearer serve.token) it closes it
 
-Generation requests before the first sync wait up to
-``generator.wait_for_weights_s`` and then get 503 with a JSON reason and
-``Retry-After``; never a token from dummy weights. Every response carries
-the version that produced it.
+The /v1 endpoints need ``Authorization: Bearer <serve.api_key>`` when one is
+set (required beyond loopback). Generation requests before the first sync
+wait up to ``generator.wait_for_weights_s`` and then get 503 with a JSON
+reason and ``Retry-After``; never a token from dummy weights. Every response
+carries the version that produced it and the trainer session that sent it.
+Parsing, templating and tokenizing run on a thread pool, after a character
+cap, so the event loop (and /health) never waits for a big prompt; more than
+``serve.max_concurrent_requests`` requests in progress get 429. A client that
+disconnects has its samples aborted in the engine.
 
 Weights: a trainer connects (``/control/connect``), gets a random session id
 and the port of the server's TCP store (``serve.sync_port``), and the two
@@ -24,20 +29,25 @@ NcclSender, the server's NcclReceiver (weight_sync/nccl.py: sync plan and
 coverage proof at connect, validation before any write, buckets, checksums,
 version published last; after a LoRA run's first full sync only the adapter
 moves, one flat bucket). A session thread applies each sync between the
-engine loop's batches (EngineLoop.begin_sync drains what runs). A new
-connect (a restarted or resumed trainer) ends the previous session; a
-trainer that dies mid-sync leaves the previous version served if nothing
-was written yet, else nothing served until the next sync: never a mix
-(on gloo at once; over NCCL only its watchdog notices, at
-weight_sync.peer_timeout_s, and ends the server: docs/design.md).
+engine loop's batches (EngineLoop.begin_sync drains what runs). The store
+binds serve.host only, and every message on it is signed with serve.token
+(weight_sync/signed_store.py): a forged or replayed one is logged and
+ignored. A new connect (a restarted or resumed trainer) ends the previous
+session and leaves it a signed notice that names its replacement; a trainer
+that dies or stalls mid-sync is dropped after serve.sync_timeout_s, leaving
+the previous version served if nothing was written yet, else nothing served
+until the next sync: never a mix (over NCCL the watchdog ends the server
+instead: docs/design.md).
 """
 
 import asyncio
 import json
 import secrets
+import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,11 +59,14 @@ from torchtitan_rl.generator.engine_loop import EngineLoop, Sample
 from torchtitan_rl.generator.generator import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.generator.openai_api import ChatRequest, CompletionRequest, HttpError, parse
 from torchtitan_rl.weight_sync.nccl import NcclReceiver, World, pair_group
+from torchtitan_rl.weight_sync.signed_store import SignedStore
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
 SESSION_PREFIX = "torchtitan_rl/serve"
 """Store prefix of a sync session's keys (+ /<session id>)."""
+ENDED = "ended"
+"""Session key: the server's signed notice that a newer trainer replaced this session's."""
 
 
 def connect_host(host: str) -> str:
@@ -65,40 +78,55 @@ def sync_port(cfg: JobConfig) -> int:
     return cfg.serve.sync_port or cfg.serve.port + 1
 
 
+def session_store(store: dist.Store, session: str, *, secret: str) -> SignedStore:
+    """A session's signed message store (both sides): keys under its prefix, signed for this session only."""
+    return SignedStore(dist.PrefixStore(f"{SESSION_PREFIX}/{session}", store), secret=secret, session=session)
+
+
 class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 
-    def __init__(self, loop: EngineLoop, *, host: str, port: int, device: torch.device, timeout_s: float) -> None:
-        self.loop, self.device, self.timeout_s = loop, device, timeout_s
+    def __init__(self, loop: EngineLoop, *, host: str, port: int, device: torch.device, secret: str,
+                 timeout_s: float) -> None:
+        self.loop, self.device, self.secret, self.timeout_s = loop, device, secret, timeout_s
+        # TCPStore's own listener binds every interface whatever the host: hand it a socket bound to ours.
+        self._socket = socket.create_server((host, port))
         # The server hosts the store the trainer's ranks join; wait_for_workers=False: they come and go.
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        self.store = dist.TCPStore(connect_host(host), port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s), master_listen_fd=self._socket.fileno(),
+                                   use_libuv=True)
         self._lock = threading.Lock()
         """Held while a sync is applied: an ending session never overlaps the next one's sync."""
         self._stop: threading.Event | None = None
-        self._session: str | None = None
+        self.session: str | None = None
         self.syncs = 0
 
     def connect(self, trainer_ranks: int) -> str:
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
-        self._stop, self._session = threading.Event(), session
+            when = time.strftime("%H:%M:%S")
+            session_store(self.store, self.session, secret=self.secret).set(
+                ENDED, f"another trainer connected to the server at {when} (session {session[:8]}) and replaced "
+                       "this one; one server takes one trainer")
+            print(f"torchtitan_rl serve: session {self.session[:8]} replaced by {session[:8]}", flush=True)
+        self._stop, self.session = threading.Event(), session
         threading.Thread(target=self._serve, args=(session, trainer_ranks, self._stop),
                          name=f"sync-{session[:8]}", daemon=True).start()
         return session
 
     def disconnect(self, session: str) -> bool:
         """End ``session`` if it is the current one (a trainer replaced by a newer one must not end it)."""
-        if self._stop is None or session != self._session:
+        if self._stop is None or session != self.session:
             return False
         self._stop.set()
         return True
 
     def _serve(self, session: str, trainer_ranks: int, stop: threading.Event) -> None:
-        store = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", self.store)
+        plain = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", self.store)
         try:
-            pair = pair_group(dist.PrefixStore("pair", store), rank=1, device=self.device, timeout_s=self.timeout_s)
+            pair = pair_group(dist.PrefixStore("pair", plain), rank=1, device=self.device, timeout_s=self.timeout_s)
+            store = session_store(self.store, session, secret=self.secret)
             world = World("generator", trainer_ranks, trainer_ranks, self.device, store, pair)
             receiver = NcclReceiver(generator=self.loop, world=world, timeout_s=self.timeout_s)
             print(f"torchtitan_rl serve: trainer connected (session {session[:8]}, {len(receiver.keys)} tensors)",
@@ -107,15 +135,24 @@ class SyncSessions:
                 if not receiver.pending():
                     continue
                 with self._lock:
-                    stats = receiver.receive()
+                    stats = None
+                    try:
+                        stats = receiver.receive(timeout_s=0)  # None: the header was forged (logged, ignored)
+                    finally:  # the receiver published (or restored, or withdrew) a version: admit again
+                        published = stats is not None and not stats.rejected
+                        self.loop.resume(published_by=session if published else None)
                 if stats is not None:
                     self.syncs += 1
                     what = "rejected" if stats.rejected else f"{stats.bytes_written / 2**20:.1f} MiB"
-                    print(f"torchtitan_rl serve: sync -> version {stats.version} ({what}, {stats.seconds:.3f} s)",
-                          flush=True)
+                    print(f"torchtitan_rl serve: sync -> version {stats.version} ({what}, {stats.seconds:.3f} s, "
+                          f"session {session[:8]})", flush=True)
         except Exception as e:  # the server keeps serving (previous version, or nothing after a partial write)
-            print(f"torchtitan_rl serve: sync session {session[:8]} ended: {type(e).__name__}: {e}; serving "
-                  f"version {self.loop.weight_version}", flush=True)
+            version = self.loop.weight_version
+            state = (f"still serving version {version}" if version is not None else
+                     "serving nothing until a trainer syncs (a failed sync that had written part of the weights "
+                     "withdraws them)")
+            print(f"torchtitan_rl serve: sync session {session[:8]} ended: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0] if str(e) else ''}; {state}", flush=True)
 
 
 class RolloutServer:
@@ -126,6 +163,12 @@ class RolloutServer:
         self.max_model_len = cfg.generator.max_model_len
         self.vocab_size = loop.generator.shape.vocab_size
         self.max_body = int(cfg.serve.max_body_mb * (1 << 20))
+        # No token spells more characters than the longest vocabulary entry: a longer text cannot fit.
+        self.max_chars = self.max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+        """JSON parsing, validation, chat templates and tokenizing: off the event loop."""
+        self.in_progress = 0
+        """Generation requests between their first byte and their response (the event loop's own count)."""
 
     def app(self):
         from starlette.applications import Starlette
@@ -133,20 +176,24 @@ class RolloutServer:
 
         routes = [
             Route("/health", self._handler(self.health), methods=["GET"]),
-            Route("/v1/models", self._handler(self.models), methods=["GET"]),
-            Route("/v1/completions", self._handler(self.completions), methods=["POST"]),
-            Route("/v1/chat/completions", self._handler(self.chat), methods=["POST"]),
-            Route("/control/connect", self._handler(self.connect), methods=["POST"]),
-            Route("/control/disconnect", self._handler(self.disconnect), methods=["POST"]),
+            Route("/v1/models", self._handler(self.models, key="api_key"), methods=["GET"]),
+            Route("/v1/completions", self._handler(self.completions, key="api_key", generation=True),
+                  methods=["POST"]),
+            Route("/v1/chat/completions", self._handler(self.chat, key="api_key", generation=True),
+                  methods=["POST"]),
+            Route("/control/connect", self._handler(self.connect, key="token"), methods=["POST"]),
+            Route("/control/disconnect", self._handler(self.disconnect, key="token"), methods=["POST"]),
         ]
         return Starlette(routes=routes)
 
-    def _handler(self, fn):
+    def _handler(self, fn, *, key: str | None = None, generation: bool = False):
         from starlette.responses import JSONResponse
 
         async def handle(request):
             try:
-                body, headers = await fn(request)
+                if key is not None:
+                    self._authorize(request, key)
+                body, headers = await (self._generation(request, fn) if generation else fn(request))
                 return JSONResponse(body, headers=headers)
             except HttpError as e:
                 return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
@@ -155,6 +202,31 @@ class RolloutServer:
                                     status_code=500)
 
         return handle
+
+    async def _generation(self, request, fn):
+        """``fn(body)`` under the concurrency cap, cancelled (its samples aborted) if the client goes away."""
+        cap = self.cfg.serve.max_concurrent_requests
+        if self.in_progress >= cap:
+            raise HttpError(429, f"{cap} generation requests are in progress (serve.max_concurrent_requests); "
+                                 "retry later", type="rate_limit_error", headers={"Retry-After": "1"})
+        self.in_progress += 1
+        work = gone = None
+        try:
+            body = await self._json(request)
+            work = asyncio.ensure_future(fn(body))
+            gone = asyncio.ensure_future(_disconnected(request))  # only once the body is read: one reader
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise HttpError(499, "the client closed the connection")  # nobody reads this answer
+            return work.result()
+        finally:
+            self.in_progress -= 1
+            for task in (work, gone):
+                if task is not None and not task.done():
+                    task.cancel()  # also when uvicorn cancels this handler: the samples are aborted
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- helpers ----------------------------------------------------------------
     async def _json(self, request) -> dict:
@@ -167,15 +239,16 @@ class RolloutServer:
             raw += chunk
             if len(raw) > self.max_body:
                 raise HttpError(413, f"request body exceeds serve.max_body_mb ({self.cfg.serve.max_body_mb:g} MiB)")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"malformed JSON body: {e}") from None
+        return await self._off_loop(_loads, raw)
 
-    def _authorize(self, request) -> None:
+    def _authorize(self, request, key: str) -> None:
+        secret = getattr(self.cfg.serve, key)
+        if key == "api_key" and not secret:
+            return  # no key set: open (serve.host is loopback, check_serve made sure)
         given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.cfg.serve.token}".encode()):
-            raise HttpError(401, "control endpoints need 'Authorization: Bearer <serve.token>'",
+        if not secrets.compare_digest(given.encode(), f"Bearer {secret}".encode()):
+            what = "control" if key == "token" else "generation"
+            raise HttpError(401, f"{what} endpoints need 'Authorization: Bearer <serve.{key}>'",
                             type="authentication_error")
 
     def _check_model(self, name: str) -> None:
@@ -183,6 +256,25 @@ class RolloutServer:
             raise HttpError(404, f"model {name!r} is not served here; this server serves "
                                  f"{self.cfg.serve.model_name!r}", param="model", code="model_not_found")
 
+    def _check_size(self, body) -> None:
+        """Bounds checked before validating or tokenizing anything: a prompt that cannot fit costs no time."""
+        if not isinstance(body, dict):
+            return  # parse() says what is wrong
+        prompt, fits = body.get("prompt"), f"the context of {self.max_model_len} tokens (generator.max_model_len)"
+        if isinstance(prompt, list) and len(prompt) > max(self.max_model_len, self.cfg.serve.max_n):
+            raise HttpError(400, f"prompt: a list of {len(prompt)} exceeds both {fits} and serve.max_n", param="prompt")
+        items = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, list) else []
+        for i, x in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            if isinstance(x, str) and len(x) > self.max_chars:
+                raise HttpError(400, f"{where}: {len(x)} characters exceed {fits}", param=where)
+            if isinstance(x, list) and len(x) > self.max_model_len:
+                raise HttpError(400, f"{where}: {len(x)} prompt tokens exceed {fits}", param=where)
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            chars = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            if chars > self.max_chars:
+                raise HttpError(400, f"messages: {chars} characters of content exceed {fits}", param="messages")
     def _check_prompt(self, ids: list[int], max_tokens: int, where: str) -> None:
         if not ids:
             raise HttpError(400, f"{where}: empty prompt", param=where)
@@ -216,19 +308,21 @@ class RolloutServer:
         except Exception as e:  # vLLM's own checks of sampling settings (VLLMValidationError)
             raise HttpError(400, f"{getattr(e, 'parameter', None) or 'sampling'}: {e}",
                             param=getattr(e, "parameter", None)) from None
+        futures = []
         try:
             futures = self.loop.submit(repeated, params)
             samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:  # the client went away (or the server is stopping)
+            self.loop.cancel(futures)
+            raise
         except WeightsNotSyncedError as e:
             raise HttpError(503, f"generator: {e}", type="weights_not_synced",
                             headers={"Retry-After": "1"}) from None
         except ValueError as e:  # the engine refused this request (add_request's checks); others run on
             raise HttpError(400, str(e)) from None
-        assert len({s.weight_version for s in samples}) == 1, "one request's samples span two versions"
+        assert len({(s.weight_version, s.weight_session) for s in samples}) == 1, \
+            "one request's samples span two versions"
         return samples
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=True)["input_ids"]
 
     def _token(self, tid: int) -> str:
         return self.tokenizer.convert_ids_to_tokens(tid)
@@ -245,13 +339,17 @@ class RolloutServer:
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
             "weight_version": version,
+            "weight_session": samples[0].weight_session,
         }
-        return body, {"X-Weight-Version": str(version)}
+        return body, {"X-Weight-Version": str(version), "X-Weight-Session": str(samples[0].weight_session)}
 
     # -- endpoints --------------------------------------------------------------
     async def health(self, request):
-        return {"status": "ok", "weight_version": self.loop.weight_version, "syncs": self.sessions.syncs,
-                **self.loop.stats()}, {}
+        if not self.loop.alive():
+            raise HttpError(503, f"generator: the engine loop stopped: {self.loop.error}", type="server_error")
+        return {"status": "ok", "weight_version": self.loop.weight_version,
+                "weight_session": self.loop.weight_session, "session": self.sessions.session,
+                "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats()}, {}
 
     async def models(self, request):
         return {"object": "list", "data": [{
@@ -259,20 +357,26 @@ class RolloutServer:
             "max_model_len": self.max_model_len, "weight_version": self.loop.weight_version,
         }]}, {}
 
-    async def completions(self, request):
-        req = parse(CompletionRequest, await self._json(request))
+    def _completion_prompts(self, body) -> tuple[CompletionRequest, list[list[int]]]:
+        """On the pool: the request checked and its prompts as token ids."""
+        self._check_size(body)
+        req = parse(CompletionRequest, body)
         self._check_model(req.model)
         p = req.prompt
         if isinstance(p, str):
-            prompts = [self._encode(p)]
+            prompts = self.tokenizer([p], add_special_tokens=True)["input_ids"]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self._encode(x) for x in p]
+            prompts = self.tokenizer(list(p), add_special_tokens=True)["input_ids"]
         else:
             prompts = [list(x) for x in p]
         if not prompts:
             raise HttpError(400, "prompt: empty", param="prompt")
+        return req, prompts
+
+    async def completions(self, body):
+        req, prompts = await self._off_loop(self._completion_prompts, body)
         samples = await self._generate(req, prompts, req.max_tokens or 16, req.logprobs or 0)
         choices = []
         for k, s in enumerate(samples):
@@ -290,8 +394,10 @@ class RolloutServer:
             choices.append(choice)
         return self._envelope("text_completion", choices, samples, sum(len(x) for x in prompts))
 
-    async def chat(self, request):
-        req = parse(ChatRequest, await self._json(request))
+    def _chat_prompt(self, body) -> tuple[ChatRequest, list[int]]:
+        """On the pool: the request checked and its messages through the chat template, as token ids."""
+        self._check_size(body)
+        req = parse(ChatRequest, body)
         self._check_model(req.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise HttpError(400, "messages: the model's tokenizer has no chat template; use /v1/completions",
@@ -301,7 +407,10 @@ class RolloutServer:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # jinja errors: a role the template does not know, ...
             raise HttpError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
+        return req, self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the specials
+
+    async def chat(self, body):
+        req, prompt = await self._off_loop(self._chat_prompt, body)
         k = req.top_logprobs if req.logprobs else 0
         # As OpenAI's chat: without a limit, the rest of the context.
         max_tokens = req.max_completion_tokens or req.max_tokens or max(1, self.max_model_len - len(prompt))
@@ -324,7 +433,6 @@ class RolloutServer:
         return self._envelope("chat.completion", choices, samples, len(prompt))
 
     async def connect(self, request):
-        self._authorize(request)
         body = await self._json(request)
         ranks = body.get("trainer_ranks") if isinstance(body, dict) else None
         if type(ranks) is not int or ranks < 1:
@@ -334,12 +442,27 @@ class RolloutServer:
                 "weight_version": self.loop.weight_version}, {}
 
     async def disconnect(self, request):
-        self._authorize(request)
         body = await self._json(request)
         session = body.get("session") if isinstance(body, dict) else None
         if not isinstance(session, str):
             raise HttpError(400, "session: the id /control/connect returned", param="session")
         return {"status": "ok", "ended": self.sessions.disconnect(session)}, {}
+
+
+def _loads(raw: bytes):
+    """A request body's JSON; any parse failure is the client's: 400."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HttpError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise HttpError(400, "malformed JSON body: nested too deeply") from None
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client closes its connection (as vLLM's listen_for_disconnect); the body is read."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _finite(logprob: float) -> float:

@@ -7,8 +7,15 @@ background thread so that it overlaps training; the token ids and logprobs
 come back) and ``close``. Every trainer rank calls each method
 together: trainer rank 0 talks HTTP and broadcasts the rollouts; every rank
 joins the store (the sender's plan and headers) and the gathers of a sync.
+
+What goes wrong says so in one line naming the server (a ValueError, as any
+bad peer: the command exits 2): a server that does not answer, a sync that
+failed, and a takeover (another trainer connected: the server leaves this
+session a signed notice, and answers with the other session's weights).
+A trainer started before its server says every few seconds that it waits.
 """
 
+import http.client
 import json
 import time
 import urllib.error
@@ -22,9 +29,13 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.generator.base import Later
 from torchtitan_rl.generator.generator import Rollouts
-from torchtitan_rl.generator.server import connect_host, sync_port
+from torchtitan_rl.generator.server import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
 from torchtitan_rl.weight_sync import NcclSender, World
 from torchtitan_rl.weight_sync.nccl import pair_group
+from torchtitan_rl.weight_sync.signed_store import ForgedMessage
+
+_SAY_EVERY_S = 5.0
+"""How often a trainer waiting for its server says so."""
 
 
 class ServerError(RuntimeError):
@@ -38,18 +49,24 @@ class ServerError(RuntimeError):
         return ServerError, (self.status, self.message)
 
 
-class ServerClient:
-    """JSON over HTTP to one server (stdlib only); errors become ServerError with the server's message."""
+class ServerGone(ValueError):
+    """The server does not answer, or this trainer's session ended; one line naming the server."""
 
-    def __init__(self, base_url: str, *, token: str = "", timeout_s: float = 1800.0) -> None:
-        self.base_url, self.token, self.timeout_s = base_url.rstrip("/"), token, timeout_s
+
+class ServerClient:
+    """JSON over HTTP to one server (stdlib only); errors become ServerError with the server's message, or
+    ServerGone when nothing answers."""
+
+    def __init__(self, base_url: str, *, token: str = "", api_key: str = "", timeout_s: float = 1800.0) -> None:
+        self.base_url, self.token, self.api_key, self.timeout_s = base_url.rstrip("/"), token, api_key, timeout_s
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        key = self.token if path.startswith("/control/") else self.api_key
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
@@ -60,17 +77,26 @@ class ServerClient:
             except (ValueError, KeyError, TypeError):
                 message = raw.decode(errors="replace")[:500]
             raise ServerError(e.code, message) from None
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise ServerGone(f"rollout server {self.base_url}: no answer to {method} {path} "
+                             f"({type(reason).__name__}: {reason}); is it running?") from None
 
     def wait_ready(self, timeout_s: float) -> dict:
-        """GET /health until the server answers (it may still be starting its engine)."""
-        deadline = time.monotonic() + timeout_s
+        """GET /health until the server answers (it may still be starting its engine); says so meanwhile."""
+        started, said = time.monotonic(), None
         while True:
             try:
                 return self.request("GET", "/health")
-            except (urllib.error.URLError, ConnectionError) as e:
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(f"rollout server: no answer at {self.base_url}/health within "
-                                       f"{timeout_s:g} s ({e}); is `python -m torchtitan_rl.serve` running?") from None
+            except ServerGone as e:
+                waited = time.monotonic() - started
+                if waited >= timeout_s:
+                    raise ServerGone(f"{e} Waited {timeout_s:g} s (weight_sync.peer_timeout_s); start it with "
+                                     "`python -m torchtitan_rl.serve`") from None
+                if said is None or time.monotonic() - said >= _SAY_EVERY_S:
+                    print(f"torchtitan_rl: waiting for the rollout server at {self.base_url} ({waited:.0f} s of "
+                          f"{timeout_s:g} s, weight_sync.peer_timeout_s)", flush=True)
+                    said = time.monotonic()
                 time.sleep(0.5)
 
 
@@ -82,7 +108,8 @@ class ServerGenerator:
         timeout_s = cfg.weight_sync.peer_timeout_s
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.client = ServerClient(f"http://{host}:{cfg.serve.port}", token=cfg.serve.token, timeout_s=timeout_s)
+        self.client = ServerClient(f"http://{host}:{cfg.serve.port}", token=cfg.serve.token,
+                                   api_key=cfg.serve.api_key, timeout_s=timeout_s)
         reply = [None]
         if self.rank == 0:
             self.client.wait_ready(timeout_s)
@@ -90,12 +117,15 @@ class ServerGenerator:
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]
-        store = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=timedelta(seconds=timeout_s))
-        store = dist.PrefixStore(f"{reply[0]['store_prefix']}/{session}", store)
+        self.synced = False
+        """Whether this session published weights yet: from then on every answer must carry them."""
+        tcp = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store = session_store(tcp, session, secret=cfg.serve.token)
         pair = None
         if self.rank == 0:
-            pair = pair_group(dist.PrefixStore("pair", store), rank=0, device=device, timeout_s=timeout_s)
-        world = World("trainer", self.rank, dist.get_world_size(), device, store, pair)
+            plain = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", tcp)
+            pair = pair_group(dist.PrefixStore("pair", plain), rank=0, device=device, timeout_s=timeout_s)
+        world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")
         self.inflight: list[Future] = []
@@ -108,7 +138,34 @@ class ServerGenerator:
         for reply in self.inflight:
             reply.exception()  # waits; an error is raised by its result()
         self.inflight = []
-        return self.sender.sync(state, version=version).seconds
+        self._check_session()
+        try:
+            seconds = self.sender.sync(state, version=version).seconds
+        except ValueError:
+            raise  # a state dict the sync refused: it names the tensors
+        except Exception as e:  # gloo, the store or a verdict: say which server, and whether it still answers
+            self._check_session()
+            try:
+                self.client.request("GET", "/health")
+                state = "it still answers; its log says why"
+            except (ServerGone, ServerError):
+                state = "it does not answer (stopped?)"
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ServerGone(f"rollout server {self.client.base_url}: the sync of version {version} failed "
+                             f"({first}); {state}") from None
+        self.synced = True
+        return seconds
+
+    def _check_session(self) -> None:
+        """Raise if the server ended this session because another trainer connected."""
+        try:
+            notice = self.store.get(ENDED).decode() if self.store.check([ENDED]) else None
+        except ForgedMessage:
+            notice = None  # logged by the store; only the server's own notice counts
+        except dist.DistError:
+            notice = None  # the store is gone with its server: the caller says so
+        if notice:
+            raise ServerGone(f"rollout server {self.client.base_url}: this trainer was replaced: {notice}")
 
     def submit(self, prompts: list[list[int]], *, n: int = 1, sampling: SamplingConfig | None = None,
                stop_token_ids: list[int] | None = None, seed: int | None = None) -> Later:
@@ -146,6 +203,11 @@ class ServerGenerator:
             "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
             "stop_token_ids": stop_token_ids, "seed": seed, "logprobs": 0, "return_token_ids": True,
         })
+        if self.synced and reply.get("weight_session") != self.session:
+            self._check_session()
+            raise ServerGone(f"rollout server {self.client.base_url}: answered with the weights of trainer session "
+                             f"{str(reply.get('weight_session'))[:8]}, not this trainer's ({self.session[:8]}): "
+                             "another trainer replaced this one")
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         assert len(choices) == n * len(prompts), (len(choices), n, len(prompts))
         return Rollouts(
@@ -162,5 +224,5 @@ class ServerGenerator:
         if self.rank == 0:
             try:
                 self.client.request("POST", "/control/disconnect", {"session": self.session})
-            except (ServerError, OSError):
+            except (ServerError, ServerGone):
                 pass  # the server is gone already: nothing to end

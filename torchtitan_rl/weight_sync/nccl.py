@@ -70,6 +70,7 @@ import torch.distributed as dist
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
 from torchtitan_rl.weight_sync.dtensor import local as _local
+from torchtitan_rl.weight_sync.signed_store import ForgedMessage
 from torchtitan_rl.weight_sync.sync import SyncStats, WeightSync
 from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
@@ -232,7 +233,8 @@ def store_value(store: dist.Store, key: str, timeout_s: float | None) -> bytes |
     """The value of ``key`` once set; None after ``timeout_s`` (None: wait forever).
 
     Waits in slices of at most 60 s: one store.wait with the whole timeout
-    would hit the store's own default limit first.
+    would hit the store's own default limit first. A forged value (a
+    SignedStore's) is skipped: the genuine one, when it comes, overwrites it.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -240,9 +242,11 @@ def store_value(store: dist.Store, key: str, timeout_s: float | None) -> bytes |
         try:
             store.wait([key], timedelta(seconds=wait))
             return store.get(key)
-        except dist.DistStoreError:
+        except (dist.DistStoreError, ForgedMessage) as e:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
+            if isinstance(e, ForgedMessage):
+                time.sleep(0.05)
 
 
 def _get(store: dist.Store, key: str, timeout_s: float | None) -> str | None:
