@@ -57,15 +57,14 @@ def _records(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_kill_9_during_saves_then_resume_gives_the_uninterrupted_metrics(tmp_path):
-    reference = _start(tmp_path / "reference")
-    assert reference.wait(timeout=300) == 0
-    expected = _records(tmp_path / "reference" / "run-1")
-    assert [r["step"] for r in expected] == list(range(STEPS))
-
+    reference = _start(tmp_path / "reference")  # uninterrupted, beside the first run that is killed
     out = tmp_path / "killed"
     run, ckpt = out / "run-1", out / "run-1" / "checkpoints"
     # 1. while step-4's shards are being written (step-2 is complete)
     _kill_when(_start(out), lambda: (ckpt / "step-4.tmp").exists())
+    assert reference.wait(timeout=300) == 0
+    expected = _records(tmp_path / "reference" / "run-1")
+    assert [r["step"] for r in expected] == list(range(STEPS))
     # 2. once step-6's manifest is written (in step-6.tmp, or already renamed to step-6)
     _kill_when(_start(out, "--resume"), lambda: (ckpt / "step-6.tmp" / "manifest.json").exists()
                or (ckpt / "step-6").exists())

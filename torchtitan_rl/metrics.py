@@ -38,7 +38,7 @@ class MetricsLogger:
                 record = json.loads(line)
             except json.JSONDecodeError:  # a line a kill cut short: its step is trained again
                 continue
-            if record["step"] < step:
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
                 kept.append(record)
                 is_eval = any(key.startswith("eval_") for key in record)
                 (self.eval_history if is_eval else self.history).append(record)
