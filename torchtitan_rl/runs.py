@@ -144,6 +144,8 @@ def agree(cfg: JobConfig, *, store=None, generator: bool = False) -> RunPlan:
                 box[0] = plan_run(cfg)
             except ValueError as e:
                 box[0] = e
+            except OSError as e:  # e.g. no permission to create the run folder
+                box[0] = ValueError(f"job.output_dir: {e}")
             if store is not None:
                 store.set(key, pickle.dumps(box[0]))
         dist.broadcast_object_list(box, src=0)
