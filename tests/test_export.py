@@ -154,3 +154,43 @@ def test_export_carries_the_checkpoint_tokenizer_and_chat_template(tiny_hf_check
     got = AutoTokenizer.from_pretrained(out).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert got == want and "<|im_start|>assistant" in got
     assert (out / "generation_config.json").read_text() == (smollm2_dir / "generation_config.json").read_text()
+
+
+def test_export_skips_a_damaged_checkpoint_and_writes_readable_files(tmp_path, capsys):
+    """export --run-dir takes the newest checkpoint that verifies (one line per one it skips), refuses a damaged
+    --step, and its files are readable like any new file (safetensors writes 0600)."""
+    import os
+    import stat
+
+    from torchtitan_rl.export import export_checkpoint
+    from torchtitan_rl.simple_grpo import run_shape, run_task
+    from torchtitan_rl.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    cfg = JobConfig()  # the tiny Qwen3 on the digits vocabulary
+    shape = run_shape(cfg, run_task(cfg))
+    trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
+                      output_dir=run_dir)
+    write_toml(cfg, run_dir / "config.toml")
+    for step in (1, 2):
+        trainer.train_step(make_batch(seed=step), temperature=1.0, grpo=GRPOConfig())
+        trainer.save_checkpoint(step)
+        if step == 1:
+            live = export_hf(trainer.sync_state(), shape=shape, out_dir=tmp_path / "live")
+    shard = run_dir / "checkpoints" / "step-2" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    capsys.readouterr()
+
+    export_checkpoint(run_dir, out=tmp_path / "newest")
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"torchtitan_rl: skipping checkpoint {run_dir / 'checkpoints' / 'step-2'}: __0_0.distcp has 100")
+    assert err[1] == f"torchtitan_rl: exporting {run_dir / 'checkpoints' / 'step-1'}"
+    got, want = load_file(tmp_path / "newest" / "model.safetensors"), load_file(live / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    with pytest.raises(ValueError, match=r"^export: --step 2: .*step-2 is damaged: __0_0.distcp has 100 bytes"):
+        export_checkpoint(run_dir, out=tmp_path / "x", step=2)
+
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "newest").iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes

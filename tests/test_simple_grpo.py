@@ -63,13 +63,15 @@ def test_short_run_learns(tmp_path):
     # Trainer and generator score the sampled tokens alike at every step.
     assert max(r["mismatch_mean"] for r in history) < BF16_MISMATCH_MEAN
 
-    # What a user looks at afterwards.
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    # What a user looks at afterwards, in the run's own folder.
+    run_dir = tmp_path / "run-1"
+    assert (tmp_path / "latest").resolve() == run_dir.resolve()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == history
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    png = tmp_path / "reward_and_mismatch.png"
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    png = run_dir / "reward_and_mismatch.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert load_toml(tmp_path / "config.toml") == cfg
+    assert load_toml(run_dir / "config.toml") == cfg
 
 
 def test_without_weight_sync_the_run_does_not_learn(tmp_path):
@@ -92,7 +94,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     first.trainer.checkpoint.enable = True
     first.trainer.checkpoint.interval = 3
     run(first)
-    assert (tmp_path / "b" / "checkpoints" / "step-3").is_dir()
+    assert (tmp_path / "b" / "latest" / "checkpoints" / "step-3").is_dir()
     second = _config(tmp_path / "b", steps=6)
     second.trainer.checkpoint.enable = True
     second.trainer.checkpoint.interval = 3
@@ -105,8 +107,9 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # Same prompts, same samples, same trainer state: bit for bit.
     for key in ("reward_mean", "loss", "grad_norm", "mismatch_mean"):
         assert [r[key] for r in b] == [r[key] for r in a[3:]], key
-    # The resumed run appends to the same metrics file.
-    lines = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    # The resumed run continues its run's folder and metrics file.
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["latest", "run-1"]
+    lines = (tmp_path / "b" / "latest" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(6))
 
 
@@ -163,12 +166,12 @@ def test_heldout_evaluation_does_not_change_the_training_samples(tmp_path, smoll
 
     assert _training_metrics(on) == _training_metrics(off)
     assert {r["mismatch_mean"] for r in on} != {0.0}  # the comparison has something to compare
-    evals = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (tmp_path / "on" / "latest" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if "eval_accuracy" in r]
     # Before the first step, every 2 steps, and after the last (one more sync).
     assert [(r["step"], r["eval_weight_version"]) for r in evals] == [(0, 0), (2, 2), (3, 3)]
     assert all(r["eval_prompts"] == 8 and 0 <= r["eval_accuracy"] <= 1 and "eval_mean_at_2" in r for r in evals)
-    assert not (tmp_path / "off" / "metrics.jsonl").read_text().count("eval_")
+    assert not (tmp_path / "off" / "latest" / "metrics.jsonl").read_text().count("eval_")
 
 
 def test_dataset_resume_draws_the_prompts_of_an_uninterrupted_run(tmp_path, smollm2_dir):

@@ -16,7 +16,9 @@ is set; this command does the same from any saved checkpoint of a run.
 
 import argparse
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -97,7 +99,17 @@ def export_hf(
         for name in TOKENIZER_FILES:
             if source is not None and (source / name).is_file():
                 shutil.copy(source / name, tmp)
+        _readable_as_usual(tmp)
     return out
+
+
+def _readable_as_usual(folder: Path) -> None:
+    """Every file with the mode a new file gets under the umask (safetensors writes 0600), so that whoever may
+    read the rest of the folder, a serving account say, may read the weights."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
 
 
 def _hf_config(shape: ModelShape, checkpoint: str | Path | None, dtype: str) -> dict:
@@ -122,33 +134,40 @@ def _expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 
 
 def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> Path:
-    """Export step ``step`` (default: the newest complete one) of the run in ``run_dir``."""
+    """Export step ``step`` (default: the newest that verifies) of the run in ``run_dir`` (a run folder, or a
+    job.output_dir: its ``latest`` run)."""
     from torchtitan_rl.config import load_toml
     from torchtitan_rl.config.loader import tokenizer_dir
     from torchtitan_rl.models.lora import apply_lora
     from torchtitan_rl.models.shape import build_titan_model
+    from torchtitan_rl.runs import run_to_resume
     from torchtitan_rl.simple_grpo import run_shape, run_task
     from torchtitan_rl.trainer import checkpoint
 
     check_target(out)
-    run_dir = Path(run_dir)
-    config_path = run_dir / "config.toml"
-    if not config_path.is_file():
-        raise ValueError(f"export: --run-dir {run_dir} has no config.toml (not a run's output folder?)")
-    cfg = load_toml(config_path)
-    folder = run_dir / cfg.trainer.checkpoint.folder
-    found = dict(checkpoint.complete_checkpoints(folder))
-    if not found:
-        raise ValueError(f"export: no complete checkpoint in {folder}")
+    run = run_to_resume(Path(run_dir))
+    if run is None:
+        raise ValueError(f"export: --run-dir {run_dir} has no config.toml and no latest run (not a run's output folder?)")
+    cfg = load_toml(run / "config.toml")
+    folder = run / cfg.trainer.checkpoint.folder
     if step is None:
-        step = max(found)
-    if step not in found:
-        raise ValueError(f"export: --step {step}: no complete checkpoint step-{step} in {folder} (have {sorted(found)})")
+        found = checkpoint.newest_verified(folder, say=lambda line: print(line, file=sys.stderr))
+        if found is None:
+            raise ValueError(f"export: no checkpoint that verifies in {folder}")
+        path = found[1]
+    else:
+        path = folder / f"step-{step}"
+        if not path.is_dir():
+            have = [s for s, _ in checkpoint.step_folders(folder)]
+            raise ValueError(f"export: --step {step}: no complete checkpoint step-{step} in {folder} (have {have})")
+        if (why := checkpoint.verify(path)) is not None:
+            raise ValueError(f"export: --step {step}: {path} is damaged: {why}")
     shape = run_shape(cfg, run_task(cfg))
     model = build_titan_model(shape, seed=cfg.job.seed)  # every parameter is then read from the checkpoint
     if cfg.model.lora.rank:
         apply_lora(model, cfg.model.lora)
-    checkpoint.load_model(found[step], model=model)
+    print(f"torchtitan_rl: exporting {path}", file=sys.stderr)
+    checkpoint.load_model(path, model=model)
     return export_hf(
         dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=tokenizer_dir(cfg),
         lora=cfg.model.lora, dtype=cfg.model.dtype,
@@ -157,8 +176,9 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m torchtitan_rl.export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run-dir", required=True, help="a run's output folder (config.toml + checkpoints)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest)")
+    parser.add_argument("--run-dir", required=True,
+                        help="a run folder (config.toml + checkpoints), or a job.output_dir: its latest run")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step to export (default: the newest that verifies)")
     parser.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
     args = parser.parse_args(argv)
     with one_line_errors():

@@ -1,6 +1,7 @@
 """What a run shows: JSONL + TensorBoard per step, a PNG plot and a summary at the end."""
 
 import json
+import os
 from pathlib import Path
 
 
@@ -8,10 +9,13 @@ class MetricsLogger:
     """Writes metrics.jsonl and TensorBoard events under the output folder (rank 0 only).
 
     metrics.jsonl holds one line per step and one per held-out evaluation
-    (the latter's keys start with ``eval_``).
+    (the latter's keys start with ``eval_``). A resumed run (``resume_step``
+    K) keeps the lines of steps before K, drops the rest (logged by steps the
+    crash lost, which are trained again), and its history, plot and summary
+    cover the whole run; TensorBoard hides the dropped steps (``purge_step``).
     """
 
-    def __init__(self, output_dir: Path, *, enabled: bool) -> None:
+    def __init__(self, output_dir: Path, *, enabled: bool, resume_step: int | None = None) -> None:
         self.output_dir = Path(output_dir)
         self.enabled = enabled
         self.history: list[dict] = []
@@ -20,8 +24,30 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.output_dir / "metrics.jsonl", "a")
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+            path = self.output_dir / "metrics.jsonl"
+            if resume_step is not None and path.is_file():
+                self._keep_before(path, resume_step)
+            self._jsonl = open(path, "a")
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=resume_step)
+
+    def _keep_before(self, path: Path, step: int) -> None:
+        """Rewrite metrics.jsonl with its records of steps before ``step`` (atomically) and load them."""
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line a kill cut short: its step is trained again
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
+                kept.append(record)
+                is_eval = any(key.startswith("eval_") for key in record)
+                (self.eval_history if is_eval else self.history).append(record)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._write(step, metrics, self.history, tb_key=lambda key: key)
@@ -40,6 +66,12 @@ class MetricsLogger:
         self._jsonl.flush()
         for key, value in metrics.items():
             self._tb.add_scalar(tb_key(key), value, step)
+
+    def sync(self) -> None:
+        """Make every line written so far durable (before a checkpoint that counts on them)."""
+        if self.enabled:
+            self._jsonl.flush()
+            os.fsync(self._jsonl.fileno())
 
     def close(self) -> Path | None:
         """Flush and draw reward and logprob mismatch over steps; returns the PNG path."""

@@ -20,7 +20,7 @@ from collections import deque
 from pathlib import Path
 
 from torchtitan_rl.cli import one_line_errors
-from torchtitan_rl.config import JobConfig, parse_args, write_toml
+from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.loader import effective_task, tokenizer_dir
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(cfg: JobConfig) -> list[dict]:
-    """Train; returns the per-step metrics (rank 0 has them all; the generator rank none)."""
+    """Train; returns the metrics of the steps this call trained (rank 0 has them all; the generator rank none)."""
     import random
 
     import torch
@@ -60,19 +60,16 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.grpo.loss import importance_weights
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.metrics import MetricsLogger
+    from torchtitan_rl.runs import agree
     from torchtitan_rl.trainer import Trainer
+    from torchtitan_rl.trainer.distributed import init_process_group
     from torchtitan_rl.trainer.trainer import TrainBatch
     from torchtitan_rl.weight_sync import init_world
 
     started = time.perf_counter()
-    out = Path(cfg.job.output_dir)
     task = run_task(cfg)
     device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
-    if cfg.job.export_dir is not None:
-        from torchtitan_rl.export import check_target
-
-        check_target(cfg.job.export_dir)  # before training, not after it
     world = None
     if cfg.weight_sync.transport == "nccl":
         # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
@@ -80,8 +77,19 @@ def run(cfg: JobConfig) -> list[dict]:
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
         world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree)
         if world.role == "generator":
-            serve(cfg, world=world, shape=shape, workdir=out)
+            plan = agree(cfg, store=world.store, generator=True)
+            serve(cfg, world=world, shape=shape, workdir=plan.folder)
             return []
+    else:
+        init_process_group(device)  # the Trainer reuses it
+    # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
+    plan = agree(cfg, store=world.store if world else None)
+    out = plan.folder
+    export_dir = cfg.job.export_dir or (out / "hf" if cfg.job.export else None)
+    if export_dir is not None:
+        from torchtitan_rl.export import check_target
+
+        check_target(export_dir)  # before training, not after it
 
     def build_trainer() -> Trainer:
         return Trainer(
@@ -103,6 +111,7 @@ def run(cfg: JobConfig) -> list[dict]:
         )
     if rank == 0:
         write_toml(cfg, out / "config.toml")
+        print(f"torchtitan_rl: run folder {out}")
     generator: RolloutGenerator | None = None
     try:
         # The generator as the loop sees it, in every layout: sync, submit/rollouts, close.
@@ -116,14 +125,13 @@ def run(cfg: JobConfig) -> list[dict]:
         prompt_rng = random.Random(cfg.job.seed)
         start = 0
         queued = []  # (step, prompts, Rollouts) a checkpoint saved: requested before it, not trained on yet
-        if cfg.resume:
-            extra = trainer.load_latest_checkpoint()
-            if extra is not None:
-                prompt_rng.setstate(_tuples(extra["prompt_rng"]))
-                task.load_state_dict(extra.get("task", {}))  # a dataset's place in its epoch
-                start = trainer.step
-                queued = extra.get("queued", [])
-                _check_queued(cfg, queued)
+        if plan.checkpoint is not None:
+            extra = trainer.load_checkpoint(plan.checkpoint)
+            prompt_rng.setstate(_tuples(extra["prompt_rng"]))
+            task.load_state_dict(extra.get("task", {}))  # a dataset's place in its epoch
+            start = trainer.step
+            queued = extra.get("queued", [])
+            _check_queued(cfg, queued)
 
         # Requests in flight, oldest first: (step, prompts, Pending). Prompts and seeds are drawn in
         # step order, so step k trains on the same prompts whatever grpo.max_staleness.
@@ -131,7 +139,9 @@ def run(cfg: JobConfig) -> list[dict]:
         inflight = deque((j, prompts, Done(r)) for j, prompts, r in queued)
         requested = start + len(inflight)  # the next step to request rollouts for
         temperature = cfg.generator.sampling.temperature
-        logger = MetricsLogger(out, enabled=rank == 0)
+        # A resume keeps the history before its step and drops what the lost steps logged: each step once.
+        logger = MetricsLogger(out, enabled=rank == 0, resume_step=start if plan.checkpoint else None)
+        earlier = len(logger.history)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()
@@ -157,7 +167,7 @@ def run(cfg: JobConfig) -> list[dict]:
             staleness = step - rollouts.weight_version  # > S only in the no-sync control
             assert staleness <= S or not cfg.weight_sync.enable, (step, rollouts.weight_version, S)
             # held-out accuracy of the weights just synced; the training samples above are already drawn
-            if evaluator and evaluator.due(step, first=start):
+            if evaluator and evaluator.due(step, first=0):  # a resumed run evaluates where an uninterrupted one does
                 logger.log_eval(step, evaluator.run(generator, step=step))
 
             # 3. score, 4. group-relative advantages
@@ -198,14 +208,6 @@ def run(cfg: JobConfig) -> list[dict]:
             )
             train_s = time.perf_counter() - t_train
 
-            if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
-                # Rollouts requested for later steps go with it (waited for): the weights they were
-                # sampled with are gone, so they could not be drawn again.
-                queued = [(j, prompts_j, pending_j.result()) for j, prompts_j, pending_j in inflight]
-                trainer.save_checkpoint(step + 1, extra={
-                    "prompt_rng": prompt_rng.getstate(), "task": task.state_dict(), "queued": queued,
-                })
-
             # 7. log
             completion_tokens = sum(len(c) for c in rollouts.completion_ids)
             record = {
@@ -230,15 +232,25 @@ def run(cfg: JobConfig) -> list[dict]:
                 mismatch=f"{record['mismatch_mean']:.1e}", tok_s=f"{record['gen_tokens_per_s']:.0f}",
             )
 
+            # 8. checkpoint, after the step's metrics line is on disk: a resume from it never lacks a line
+            if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
+                logger.sync()
+                # Rollouts requested for later steps go with it (waited for): the weights they were
+                # sampled with are gone, so they could not be drawn again.
+                queued = [(j, prompts_j, pending_j.result()) for j, prompts_j, pending_j in inflight]
+                trainer.save_checkpoint(step + 1, extra={
+                    "prompt_rng": prompt_rng.getstate(), "task": task.state_dict(), "queued": queued,
+                }, files={"config.toml": to_toml(cfg)})  # what a resume compares its config with
+
         if evaluator and start < cfg.trainer.steps:
             final_evaluation(cfg, evaluator, generator, trainer, logger)
-        if cfg.job.export_dir is not None:  # every trainer rank: sharded tensors are gathered
+        if export_dir is not None:  # every trainer rank: sharded tensors are gathered
             from torchtitan_rl.export import export_hf
 
-            export_hf(trainer.sync_state(), shape=shape, out_dir=cfg.job.export_dir,
+            export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
                       tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype)
         plot = logger.close()
-        history = logger.history
+        history = logger.history  # the whole run, steps before a resume included
         if rank == 0 and history:
             k = max(1, min(5, len(history) // 4))
             first = sum(r["reward_mean"] for r in history[:k]) / k
@@ -252,10 +264,11 @@ def run(cfg: JobConfig) -> list[dict]:
                 )
             print(
                 f"torchtitan_rl: {held_out}mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
-                f"steps {start}..{cfg.trainer.steps}; wall {time.perf_counter() - started:.1f} s; "
+                f"steps {history[0]['step']}..{cfg.trainer.steps}{f' (resumed at {start})' if start else ''}; "
+                f"wall {time.perf_counter() - started:.1f} s; "
                 f"metrics {out / 'metrics.jsonl'}; plot {plot}"
             )
-        return history
+        return history[earlier:]  # this call's steps
     finally:
         if generator is not None:
             generator.close()

@@ -25,11 +25,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from torchtitan_rl.config import load_toml
+    from torchtitan_rl.runs import run_to_resume
     from torchtitan_rl.simple_grpo import run_task
 
-    cfg = load_toml(Path(args.run_dir) / "config.toml")
+    run_dir = run_to_resume(Path(args.run_dir))  # a job.output_dir: its latest run
+    cfg = load_toml(run_dir / "config.toml")
     task = run_task(cfg)
-    evals = [r for r in map(json.loads, (Path(args.run_dir) / "metrics.jsonl").open()) if "eval_accuracy" in r]
+    evals = [r for r in map(json.loads, (run_dir / "metrics.jsonl").open()) if "eval_accuracy" in r]
     prompts = task.heldout_prompts()[: evals[-1]["eval_prompts"]]
     architectures = json.loads((Path(args.export) / "config.json").read_text())["architectures"]
     llm = LLM(model=args.export, dtype=cfg.model.dtype, gpu_memory_utilization=0.3,

@@ -154,7 +154,7 @@ def main() -> None:
     t = time.perf_counter()
     grpo_main(argv)
     wall = time.perf_counter() - t
-    loop = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    loop = [json.loads(line) for line in (workdir / "latest" / "metrics.jsonl").read_text().splitlines()]
     loop = [r for r in loop if "step_s" in r]
     for rec, row in zip(records, loop):
         rec.update({k: row[k] for k in ("step", "step_s", "train_s", "sync_s", "mismatch_max", "mismatch_mean")

@@ -109,7 +109,7 @@ def main() -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(workdir / "metrics.jsonl", out / "grpo_metrics.jsonl")
+        shutil.copy(workdir / "latest" / "metrics.jsonl", out / "grpo_metrics.jsonl")
         (out / "grpo_summary.json").write_text(json.dumps(summary, indent=1))
 
     parts = [k for k in kept[0] if k not in ("step", "step_s", "gen_tokens_per_s", "mismatch_max",

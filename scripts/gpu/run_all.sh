@@ -69,7 +69,7 @@ for name in "$@"; do
                  python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
                  && python3 -m torchtitan_rl.simple_grpo --config run_configs/smollm2_135m_math.toml \
                       --job.output_dir "$run" ${MATH_ARGS:-}
-                 rc=$?; cp "$run"/metrics.jsonl "$run"/config.toml "$run"/*.png "$OUT/${MATH_NAME:-math}/" 2>/dev/null
+                 rc=$?; cp "$run"/latest/metrics.jsonl "$run"/latest/config.toml "$run"/latest/*.png "$OUT/${MATH_NAME:-math}/" 2>/dev/null
                  (exit $rc) ;;
     math_export) run=/tmp/runs/export; rm -rf "$run"
                  python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \

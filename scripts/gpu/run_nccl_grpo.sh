@@ -28,8 +28,8 @@ timeout ${NCCL_GRPO_TIMEOUT_S:-540} python3 -m torch.distributed.run --nproc-per
 rc=$?
 echo "=== simple_grpo, transport nccl, $NPROC processes ($REPLICAS generator replicas): exit $rc after $(( $(date +%s) - start )) s"
 tr '\r' '\n' < "$OUT/nccl_grpo_full.log" | grep -v "^\s*$" | tail -n 60
-[ -f "$work/metrics.jsonl" ] && cp "$work/metrics.jsonl" "$OUT/nccl_grpo_metrics.jsonl"
-python3 - "$work/metrics.jsonl" "$OUT/nccl_grpo_summary.json" "$NPROC" "$STEPS" "$rc" "$REPLICAS" <<'EOF'
+[ -f "$work/latest/metrics.jsonl" ] && cp "$work/latest/metrics.jsonl" "$OUT/nccl_grpo_metrics.jsonl"
+python3 - "$work/latest/metrics.jsonl" "$OUT/nccl_grpo_summary.json" "$NPROC" "$STEPS" "$rc" "$REPLICAS" <<'EOF'
 import json, statistics, sys
 from pathlib import Path
 

@@ -60,19 +60,23 @@ def _torchrun(nproc: int, output_dir: Path, *extra: str, check: bool = True) -> 
 
 
 def _records(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    """The metrics of the newest run in output_dir (its run folder is output_dir/latest)."""
+    return [json.loads(line) for line in (output_dir / "latest" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def nccl_run(tmp_path_factory) -> tuple[Path, list[dict], list[dict]]:
     """Steps 0..39 with grpo.max_staleness 1 on 2 trainer ranks + 2 generator replicas (checkpoint after
     step 37), then steps 38..39 again from that checkpoint (--resume) in a new torchrun world:
-    (folder, first run, resumed run)."""
+    (run folder, first run, resumed run)."""
     folder = tmp_path_factory.mktemp("nccl_grpo")
     _torchrun(2 + REPLICAS, folder, *_args({**ASYNC, **NCCL}))
     first = _records(folder)
     _torchrun(2 + REPLICAS, folder, *_args({**ASYNC, **NCCL}), "--resume")
-    return folder, first, _records(folder)[len(first):]
+    after = _records(folder)  # the resume replaced the lines of the steps it trained again
+    at = NCCL["trainer.checkpoint.interval"]
+    assert after[:at] == first[:at] and [r["step"] for r in after] == list(range(ASYNC_STEPS))
+    return (folder / "latest").resolve(), first, after[at:]
 
 
 def _mean_reward(records: list[dict]) -> float:

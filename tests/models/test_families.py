@@ -145,7 +145,7 @@ def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "out" / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2 and all(r["mismatch_mean"] < BF16_MISMATCH_MEAN for r in records), records
     from transformers import AutoModelForCausalLM  # every rank joined the gathers, rank 0 wrote
 

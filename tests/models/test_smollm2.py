@@ -108,7 +108,7 @@ def test_one_grpo_step_on_the_math_task_then_export(smollm2_dir, tmp_path):
     (record,) = simple_grpo.run(cfg)
     assert record["weight_version"] == 0 and record["tokens"] > 0
     assert record["mismatch_mean"] < 1e-4  # fp32 on both sides (the CPU config): summation order only, measured 6e-7
-    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (tmp_path / "run" / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if "eval_accuracy" in r] == [0, 1]  # before the step and after it
     exported = AutoConfig.from_pretrained(tmp_path / "hf")
     assert exported.architectures == ["LlamaForCausalLM"]

@@ -71,7 +71,7 @@ def test_grpo_loop_runs_on_two_ranks_under_torchrun(tmp_path):
         "-m", "torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml",
         "--trainer.steps", "2", "--job.output_dir", str(tmp_path),
     )
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert [r["weight_version"] for r in records] == [0, 1]
     assert all(r["mismatch_mean"] < BF16_MISMATCH_MEAN for r in records), records

@@ -88,7 +88,7 @@ def _run(args, out):
            "--job.output_dir", str(out), "--model.lora.rank", "4", *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "latest" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow

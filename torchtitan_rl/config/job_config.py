@@ -14,11 +14,14 @@ class JobSection:
     name: str = "grpo"
     """Run name; used in log lines and as the default output sub-folder."""
     output_dir: str = "outputs/grpo"
-    """Folder for the resolved config, metrics, plots and checkpoints."""
+    """Folder of this config's runs: each run writes its config, metrics, plots and checkpoints to a new run-N
+    sub-folder, and `latest` points at the newest (resume and export follow it)."""
     seed: int = 0
     """Seed for model init, prompt sampling and generation."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device for trainer and generator; auto picks cuda when available."""
+    export: bool = False
+    """After the last step, write the policy as a Hugging Face folder to <run folder>/hf (torchtitan_rl/export.py)."""
     export_dir: str | None = None
     """After the last step, write the policy here as a Hugging Face folder (torchtitan_rl/export.py); must not exist or be empty."""
 
@@ -305,6 +308,9 @@ class JobConfig:
     batch_invariant_mode: bool = False
     """Bitwise-identical trainer and generator logprobs (both sides switch kernels)."""
     resume: bool = False
-    """Continue from the newest complete checkpoint in the output folder."""
+    """Continue the newest run in job.output_dir (or job.output_dir itself when it is a run folder) from its newest
+    checkpoint that verifies; with nothing to resume, exit 2."""
+    resume_if_any: bool = False
+    """As resume, but start a new run when there is nothing to resume (a job a scheduler may restart)."""
     dry_run: bool = False
     """Validate the config, write it to the output folder and exit without training."""

@@ -624,3 +624,9 @@ def _flatten_box(text: str) -> str:
             break
         body.append(line)
     return f"{lines[0]}: {' '.join(body)}"
+
+
+def config_diff(old: JobConfig, new: JobConfig) -> list[tuple[str, Any, Any]]:
+    """(field.path, old value, new value) of every leaf field that differs, in the tree's order."""
+    return [(path, _get(old, path), _get(new, path)) for path in _leaf_types()
+            if _get(old, path) != _get(new, path)]

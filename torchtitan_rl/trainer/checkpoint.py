@@ -1,15 +1,24 @@
-"""Atomic torch.distributed.checkpoint (DCP) checkpoints in step-N folders.
+"""torch.distributed.checkpoint (DCP) checkpoints in step-N folders that prove themselves.
 
-All ranks write their shards into ``step-N.tmp``; after a barrier rank 0
-renames it to ``step-N``. A folder named ``step-N`` is therefore always
-complete, and a crash mid-save leaves only a ``.tmp`` that loading ignores.
-Assumes every rank sees the same checkpoint folder (one host or a shared FS).
+All ranks write their shards into ``step-N.tmp``. After a barrier every rank
+fsyncs and checksums (CRC-32) a share of the files, and rank 0 writes
+``manifest.json`` (every file's name, size and checksum) last, fsynced, then
+renames the folder to ``step-N``. A checkpoint is complete only if its
+manifest verifies: a crash mid-save, a truncated, deleted or overwritten file
+or a half-pruned folder all fail :func:`verify`, and loading falls back to the
+newest checkpoint that passes, saying why it skipped each newer one.
+Pruning renames a folder to ``.trash`` before deleting it, so a killed prune
+never leaves a ``step-N`` that looks complete. Assumes every rank sees the same
+checkpoint folder (one host or a shared FS).
 """
 
+import json
 import os
 import pickle
 import re
 import shutil
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,18 +30,90 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+MANIFEST = "manifest.json"
+"""Written last in a checkpoint folder: {"step": N, "files": {name: {"size": bytes, "crc32": int}}}."""
+_CHUNK = 8 << 20
 
 
-def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete step-N folder, oldest first."""
+def step_folders(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step-N folder, verified or not, oldest first."""
     if not folder.is_dir():
         return []
     found = []
     for path in folder.iterdir():
         match = _STEP_DIR.fullmatch(path.name)
-        if match and (path / ".metadata").is_file():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def verify(path: Path) -> str | None:
+    """None if every file the manifest lists is there with its size and checksum; else why not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        entries = [(name, int(e["size"]), int(e["crc32"])) for name, e in files.items()]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (its save or its pruning was interrupted)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} unreadable ({type(e).__name__})"
+    if ".metadata" not in files:
+        return f"{MANIFEST} lists no .metadata"
+    for name, size, crc in entries:
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        actual = file.stat().st_size
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size} (truncated or overwritten)"
+        if _crc32(file) != crc:
+            return f"{name} does not match its checksum (damaged bytes)"
+    return None
+
+
+def newest_verified(folder: Path, *, say: Callable[[str], None] = print) -> tuple[int, Path] | None:
+    """(step, path) of the newest checkpoint that verifies; one line through ``say`` per newer one skipped."""
+    for step, path in reversed(step_folders(folder)):
+        why = verify(path)
+        if why is None:
+            return step, path
+        say(f"torchtitan_rl: skipping checkpoint {path}: {why}")
+    return None
+
+
+def set_aside_newer(folder: Path, step: int) -> list[Path]:
+    """Rename step-M folders with M > step (the damaged ones a resume from step-``step`` skipped) to step-M.damaged:
+    kept for inspection, never loaded, and not counted by pruning (their steps are retrained)."""
+    moved = []
+    for m, path in step_folders(folder):
+        if m > step:
+            target = path.with_name(path.name + ".damaged")
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync_and_sum(path: Path) -> dict:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -47,24 +128,28 @@ def save(
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     extra: dict | None,
     trainer_step: int,
     keep_latest: int,
+    files: dict[str, str] | None = None,
 ) -> Path:
-    """Write step-N atomically (collective: every rank calls it) and prune old ones."""
+    """Write step-N with its manifest (collective: every rank calls it) and prune older ones.
+
+    ``files``: small text files (name -> content) rank 0 puts beside the shards, e.g. the run's config.
+    """
     final, tmp = folder / f"step-{step}", folder / f"step-{step}.tmp"
-    is_rank0 = dist.get_rank() == 0
-    if is_rank0:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
     dist.barrier()
     # Optimizer state exists only after the first step; asking torch for it
     # earlier would make it take a zero-lr step that advances Adam's step count.
     has_optimizer_state = bool(optimizer.state)
     trainer_state = {
         "trainer_step": trainer_step,
-        "lr_scheduler": scheduler.state_dict(),
         "has_optimizer_state": has_optimizer_state,
         # Plain python, pickled as one blob: DCP loads only keys it is given,
         # and the keys of `extra` are unknown before loading. Rank 0's copy is kept.
@@ -74,33 +159,56 @@ def save(
     if has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()  # every rank's shards are on disk before the folder counts as complete
-    if is_rank0:
+    dist.barrier()  # every rank's shards are written
+    # Each rank makes a share of the files durable and sums them: one read of the checkpoint, spread over ranks.
+    names = sorted(p.name for p in tmp.iterdir())
+    mine = {name: _fsync_and_sum(tmp / name) for name in names[rank::world]}
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        manifest = {"step": step, "files": {k: v for share in shares for k, v in sorted(share.items())}}
+        part = tmp / (MANIFEST + ".part")
+        with open(part, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, tmp / MANIFEST)
+        _fsync_dir(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            _discard(final)
         os.replace(tmp, final)
-        _prune(folder, keep_latest)
+        _fsync_dir(folder)
+        _prune(folder, keep_latest, newest=step)
     dist.barrier()
     return final
 
 
-def _prune(folder: Path, keep_latest: int) -> None:
+def _discard(path: Path) -> None:
+    """Rename first (one atomic step: the folder stops being a step-N), then delete."""
+    trash = path.with_name(path.name + ".trash")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    shutil.rmtree(trash)
+
+
+def _prune(folder: Path, keep_latest: int, *, newest: int) -> None:
+    """Delete older checkpoints of this lineage: never one newer than the step just saved."""
     if keep_latest > 0:
-        for _, path in complete_checkpoints(folder)[:-keep_latest]:
-            shutil.rmtree(path)
-    # No save is in flight now, so any .tmp left is from a crashed save.
-    for path in folder.glob("step-*.tmp"):
+        # Only step-N folders with a manifest count (no checksums: a save must stay cheap); those without one are
+        # leftovers of an interrupted save or prune of this run and go too.
+        older = [(s, p) for s, p in step_folders(folder) if s < newest]
+        complete = [(s, p) for s, p in older if (p / MANIFEST).is_file()]
+        for _, path in complete[: max(len(complete) - (keep_latest - 1), 0)] + [
+            (s, p) for s, p in older if not (p / MANIFEST).is_file()
+        ]:
+            _discard(path)
+    # No save is in flight now, so any .tmp or .trash left is from a crash.
+    for path in [*folder.glob("step-*.tmp"), *folder.glob("step-*.trash")]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load(
-    path: Path,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> dict:
-    """Restore model, optimizer and scheduler in place; returns the saved trainer state."""
+def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore model and optimizer in place; returns the saved trainer state (step, extra)."""
     head = {"trainer": b""}
     dcp.load(head, checkpoint_id=path)
     trainer_state = pickle.loads(head["trainer"])
@@ -112,7 +220,6 @@ def load(
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     else:
         optimizer.state.clear()  # saved before the first step: Adam starts fresh
-    scheduler.load_state_dict(trainer_state["lr_scheduler"])
     return trainer_state
 
 

@@ -36,7 +36,7 @@ from torchtitan_rl.trainer.distributed import (
 )
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
 from torchtitan_rl.trainer.logprobs import chunked_token_logprobs
-from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler
+from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler, lr_factor
 from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
 from torchtitan.config import CompileConfig, TrainingConfig
 from torchtitan.config import ParallelismConfig as TitanParallelismConfig
@@ -382,31 +382,44 @@ class Trainer:
         """Where step-N checkpoints live: output_dir / trainer.checkpoint.folder."""
         return self.output_dir / self.config.checkpoint.folder
 
-    def save_checkpoint(self, step: int, *, extra: dict | None = None) -> Path:
-        """Atomically write step-``step`` (model, optimizer, lr schedule, step, extra)."""
+    def save_checkpoint(self, step: int, *, extra: dict | None = None, files: dict[str, str] | None = None) -> Path:
+        """Write step-``step`` (model, optimizer, step, extra; ``files``: small text files beside it) with its
+        manifest, and prune older ones."""
         return checkpoint.save(
             self.checkpoint_folder,
             step=step,
             model=self.model,
             optimizer=self.optimizer,
-            scheduler=self.scheduler,
             extra=extra,
             trainer_step=self.step,
             keep_latest=self.config.checkpoint.keep_latest,
+            files=files,
         )
 
     def load_latest_checkpoint(self) -> dict | None:
-        """Restore the newest complete checkpoint; its ``extra`` ({} if none), or None if none exists."""
-        found = checkpoint.complete_checkpoints(self.checkpoint_folder)
+        """Restore the newest checkpoint that verifies; its ``extra`` ({} if none), or None if none does."""
+        found = None
+        if dist.get_rank() == 0:
+            found = checkpoint.newest_verified(self.checkpoint_folder)
         # Rank 0 decides, so ranks racing a listing never load different steps.
-        choice = [found[-1][1] if found else None]
+        choice = [found[1] if found else None]
         dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return None
-        state = checkpoint.load(
-            choice[0], model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
-        )
+        return None if choice[0] is None else self.load_checkpoint(choice[0])
+
+    def load_checkpoint(self, path: Path) -> dict:
+        """Restore a verified checkpoint (every rank passes the same path); returns its ``extra`` ({} if none).
+
+        The optimizer's hyperparameters and the learning-rate schedule come from this trainer's config, not the
+        checkpoint's: a run resumed with another lr or schedule trains with it from the next step.
+        """
+        state = checkpoint.load(path, model=self.model, optimizer=self.optimizer)
         self.step = state["trainer_step"]
+        opt = self.config.optimizer
+        lr = opt.lr * lr_factor(self.step, config=self.config.lr_scheduler, total_steps=self.config.steps)
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, initial_lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        self.scheduler.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
+        self.scheduler.last_epoch = self.step
         return state["extra"] if state["extra"] is not None else {}
 
 

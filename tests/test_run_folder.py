@@ -1,0 +1,107 @@
+"""One run, one folder: the same command twice keeps both runs, --resume continues the newest from a checkpoint
+that verifies, lists what the config changed and refuses what cannot change."""
+
+import gc
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import assert_one_line_error, run_cli, run_module
+from torchtitan_rl import simple_grpo
+from torchtitan_rl.config import JobConfig, load_toml
+from torchtitan_rl.runs import check_changes, plan_run
+from torchtitan_rl.trainer import checkpoint
+
+CPU_TINY = Path(__file__).resolve().parents[1] / "run_configs" / "cpu_tiny.toml"
+
+
+def _config(output_dir: Path, *, steps: int) -> JobConfig:
+    cfg = load_toml(CPU_TINY)
+    cfg.job.output_dir = str(output_dir)
+    cfg.trainer.steps, cfg.grpo.prompts_per_step = steps, 8
+    cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval, cfg.trainer.checkpoint.keep_latest = True, 2, 1
+    return cfg
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_with_nothing_to_resume_is_one_line_and_exit_2(tmp_path):
+    proc = run_cli("--config", str(CPU_TINY), "--job.output_dir", str(tmp_path / "typo"), "--resume")
+    assert_one_line_error(proc, "--resume: nothing to resume", str(tmp_path / "typo"), "--resume-if-any",
+                          prefix="torchtitan_rl: error: ")
+    assert not (tmp_path / "typo").exists()
+
+
+def test_each_new_run_gets_its_own_folder_and_resume_if_any_starts_one(tmp_path, capsys):
+    cfg = _config(tmp_path, steps=4)
+    assert plan_run(cfg).folder == tmp_path / "run-1"
+    cfg.resume_if_any = True  # run-1 has no checkpoint: nothing to resume
+    assert plan_run(cfg).folder == tmp_path / "run-2"
+    assert (tmp_path / "latest").resolve() == (tmp_path / "run-2").resolve()
+    assert "--resume-if-any: no checkpoint that verifies in" in capsys.readouterr().out
+
+
+def test_resume_lists_changed_fields_and_refuses_what_cannot_change(capsys):
+    saved = load_toml(CPU_TINY)
+    new = load_toml(CPU_TINY)
+    new.trainer.optimizer.lr, new.trainer.steps, new.resume = 1e-4, 120, True
+    new.grpo.group_size = 4  # no rollouts queued (max_staleness 0): the batch shape may change
+    check_changes(saved, new, since="step-20")
+    assert capsys.readouterr().out.splitlines() == [
+        "torchtitan_rl: resume: trainer.optimizer.lr 0.003 -> 0.0001 (changed since step-20)",
+        "torchtitan_rl: resume: trainer.steps 80 -> 120 (changed since step-20)",
+        "torchtitan_rl: resume: grpo.group_size 8 -> 4 (changed since step-20)",
+    ]
+    for path, value in (("model.flavor", "tiny-llama"), ("grpo.task", "digits:sort"), ("model.lora.rank", 8)):
+        changed = load_toml(CPU_TINY)
+        section, _, name = path.rpartition(".")
+        obj = changed
+        for part in section.split("."):
+            obj = getattr(obj, part)
+        setattr(obj, name, value)
+        with pytest.raises(ValueError, match=rf"^{path}: cannot change on resume"):
+            check_changes(saved, changed, since="step-20")
+    saved.grpo.max_staleness = new.grpo.max_staleness = 1  # the checkpoint holds rollouts of 8 samples a prompt
+    with pytest.raises(ValueError, match=r"^grpo.group_size: cannot change on resume \(the rollouts queued"):
+        check_changes(saved, new, since="step-20")
+
+
+@pytest.mark.slow
+def test_the_same_command_twice_keeps_both_runs_and_resume_continues_the_newest(tmp_path, capsys):
+    for _ in range(2):
+        simple_grpo.run(_config(tmp_path, steps=4))
+        gc.collect()
+    run1, run2 = tmp_path / "run-1", tmp_path / "run-2"
+    assert (tmp_path / "latest").resolve() == run2.resolve()
+    before = (run1 / "metrics.jsonl").read_text()
+    for run in (run1, run2):  # keep_latest 1: each run keeps its own step-4, whatever the other did
+        assert _steps(run) == [0, 1, 2, 3]
+        assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-4"]
+    capsys.readouterr()
+
+    resumed = _config(tmp_path, steps=6)
+    resumed.resume, resumed.trainer.optimizer.lr = True, 1e-4
+    records = simple_grpo.run(resumed)
+    gc.collect()
+    out = capsys.readouterr().out
+    assert "torchtitan_rl: resume: trainer.optimizer.lr 0.003 -> 0.0001 (changed since step-4)" in out
+    assert f"resuming {run2.resolve()} from step-4" in out
+    assert "steps 0..6 (resumed at 4)" in out  # the summary covers the whole run
+    assert [(r["step"], r["lr"]) for r in records] == [(4, 1e-4), (5, 1e-4)]  # the new lr, not the saved one
+    assert _steps(run2) == list(range(6))
+    assert (run1 / "metrics.jsonl").read_text() == before
+    assert checkpoint.verify(run1 / "checkpoints" / "step-4") is None
+
+    # export follows latest to run-2's newest checkpoint; its files are readable like the rest of the folder
+    proc = run_module("torchtitan_rl.export", "--run-dir", str(tmp_path), "--out", str(tmp_path / "hf"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"exporting {run2.resolve() / 'checkpoints' / 'step-6'}" in proc.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~umask}, modes

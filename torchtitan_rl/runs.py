@@ -1,0 +1,157 @@
+"""One run, one folder: where a run writes, and what a resume continues from.
+
+Each run of a config gets a new ``<job.output_dir>/run-N`` (config.toml,
+metrics.jsonl, tensorboard/, the plot, checkpoints/), and the symlink
+``<job.output_dir>/latest`` points at the newest. So running the same command
+twice keeps both runs, and a run never prunes, appends to or overwrites
+another's files. ``--resume`` continues the run ``latest`` points at (or
+``job.output_dir`` itself when that is a run folder) from its newest
+checkpoint that verifies, after checking the config against the one the
+checkpoint was saved with. Rank 0 decides; every rank gets the same plan.
+"""
+
+import os
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torchtitan_rl.config import JobConfig, load_toml
+from torchtitan_rl.config.loader import config_diff
+from torchtitan_rl.trainer import checkpoint
+
+LATEST = "latest"
+"""Symlink in job.output_dir to the newest run folder."""
+_RUN_DIR = re.compile(r"run-(\d+)")
+
+NOT_COMPARED = ("job.output_dir", "resume", "resume_if_any", "dry_run")
+"""How a run was started, not what it trains."""
+FIXED = {
+    "model.flavor": "the model's shape", "model.hf_checkpoint": "the model's weights and shape",
+    "model.vocab_size": "the model's shape", "model.lora.rank": "the trained adapters",
+    "model.lora.alpha": "the trained adapters", "model.lora.target_modules": "the trained adapters",
+    "grpo.task": "the prompts and their saved position", "grpo.task_without_checkpoint": "the prompts",
+    **{f"task.{name}": "the prompts and their saved position" for name in (
+        "tokenizer", "levels", "heldout_size", "path", "heldout_path", "heldout_fraction", "prompt_field",
+        "answer_field")},
+}
+"""Fields a resume refuses to change, and what they fixed; every other field may change and takes effect."""
+FIXED_WITH_QUEUED = ("grpo.prompts_per_step", "grpo.group_size", "generator.sampling.")
+"""Also fixed when the run had grpo.max_staleness > 0: its checkpoint holds rollouts drawn with them."""
+
+
+@dataclass
+class RunPlan:
+    folder: Path
+    """This run's folder (config, metrics, checkpoints)."""
+    checkpoint: Path | None = None
+    """The verified checkpoint a resume starts from; None: a new run from step 0."""
+    step: int = 0
+    """The first step to train (the checkpoint's step)."""
+
+
+def run_to_resume(output_dir: Path) -> Path | None:
+    """The run folder --resume continues: what ``latest`` points at, else output_dir itself if it is a run folder
+    (it has a config.toml), else None."""
+    if (output_dir / LATEST).is_dir():
+        return (output_dir / LATEST).resolve()
+    if (output_dir / "config.toml").is_file():
+        return output_dir
+    return None
+
+
+def plan_run(cfg: JobConfig, *, say=print) -> RunPlan:
+    """Rank 0: this run's folder (a new run-N, created) or the resumed run's, with its checkpoint."""
+    out = Path(cfg.job.output_dir)
+    folder = Path(cfg.trainer.checkpoint.folder)
+    if folder.is_absolute() or ".." in folder.parts:
+        raise ValueError(f"trainer.checkpoint.folder: must be a sub-folder of the run folder, got {folder}")
+    if cfg.resume or cfg.resume_if_any:
+        run, why = run_to_resume(out), f"{out} holds no run"
+        if run is not None:
+            found = checkpoint.newest_verified(run / folder, say=say)
+            if found is not None:
+                return _resume(cfg, run, *found, say=say)
+            why = f"no checkpoint that verifies in {run / folder}"
+        if not cfg.resume_if_any:
+            raise ValueError(f"--resume: nothing to resume: {why} (start a new run without --resume, or pass "
+                             "--resume-if-any to start one when there is nothing to resume)")
+        say(f"torchtitan_rl: --resume-if-any: {why}; starting a new run")
+    return RunPlan(new_run_folder(out))
+
+
+def new_run_folder(output_dir: Path) -> Path:
+    """Create the next run-N in output_dir and point ``latest`` at it."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    n = 1 + max((int(m.group(1)) for p in output_dir.iterdir() if (m := _RUN_DIR.fullmatch(p.name))), default=0)
+    while True:
+        try:
+            (output_dir / f"run-{n}").mkdir()
+            break
+        except FileExistsError:  # another run took it meanwhile
+            n += 1
+    folder = output_dir / f"run-{n}"
+    _point_latest(folder)
+    return folder
+
+
+def _point_latest(run: Path) -> None:
+    link, tmp = run.parent / LATEST, run.parent / f".{LATEST}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(run.name, tmp)
+    os.replace(tmp, link)  # atomic: latest always names a whole run folder
+
+
+def _resume(cfg: JobConfig, run: Path, step: int, path: Path, *, say) -> RunPlan:
+    saved_config = path / "config.toml" if (path / "config.toml").is_file() else run / "config.toml"
+    if saved_config.is_file():
+        check_changes(load_toml(saved_config), cfg, since=f"step-{step}", say=say)
+    for moved in checkpoint.set_aside_newer(path.parent, step):
+        say(f"torchtitan_rl: {moved.name}: set aside (steps after {step} are trained again)")
+    if (run.parent / LATEST).is_symlink() and run.parent.joinpath(LATEST).resolve() != run:
+        _point_latest(run)
+    say(f"torchtitan_rl: resuming {run} from {path.name}")
+    return RunPlan(run, path, step)
+
+
+def check_changes(saved: JobConfig, cfg: JobConfig, *, since: str, say=print) -> None:
+    """One line per field changed since the saved run; ValueError naming the first that cannot change."""
+    queued = saved.grpo.max_staleness > 0
+    for path, old, new in config_diff(saved, cfg):
+        if path in NOT_COMPARED:
+            continue
+        fixed = FIXED.get(path)
+        if fixed is None and queued and path.startswith(FIXED_WITH_QUEUED):
+            fixed = "the rollouts queued in the checkpoint were drawn with it"
+        if fixed is not None:
+            raise ValueError(f"{path}: cannot change on resume ({fixed}): the run has {old!r}, got {new!r}; "
+                             "start a new run (without --resume) to change it")
+        say(f"torchtitan_rl: resume: {path} {old!r} -> {new!r} (changed since {since})")
+
+
+def agree(cfg: JobConfig, *, store=None, generator: bool = False) -> RunPlan:
+    """plan_run on rank 0 and the same plan, or its error, on every rank: over the default process group, and
+    to generator ranks (``generator``; their group is their own) through the torchrun ``store``."""
+    key = f"torchtitan_rl/run_plan/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if generator:
+        result = pickle.loads(store.get(key))
+    else:
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = plan_run(cfg)
+            except ValueError as e:
+                box[0] = e
+            except OSError as e:  # e.g. no permission to create the run folder
+                box[0] = ValueError(f"job.output_dir: {e}")
+            if store is not None:
+                store.set(key, pickle.dumps(box[0]))
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    if isinstance(result, ValueError):
+        if not generator and dist.get_rank() == 0:
+            raise result
+        raise SystemExit(2)  # rank 0 says why
+    return result
