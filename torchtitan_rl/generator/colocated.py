@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.generator.base import Done
 from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
@@ -40,12 +41,13 @@ class ColocatedGenerator:
         self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
         """Each rank generates a block of every request; else rank 0 generates it all."""
         if rank == 0 or self.every_rank:
-            self.generator = Generator(
-                cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
-                # each engine writes its config.json into a folder of its own
-                workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
-                batch_invariant=cfg.batch_invariant_mode,
-            )
+            with compat.vllm_device(device):  # this rank's GPU, not cuda:0
+                self.generator = Generator(
+                    cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
+                    # each engine writes its config.json into a folder of its own
+                    workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
+                    batch_invariant=cfg.batch_invariant_mode,
+                )
         try:
             self.weight_sync = WeightSync(
                 cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora
