@@ -30,8 +30,7 @@ CHECKPOINT = ["--trainer.checkpoint.enable", "true", "--trainer.checkpoint.inter
 def _torchrun(output_dir: Path, *extra: str) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-        "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir", str(output_dir),
-        "--trainer.steps", str(STEPS), *CHECKPOINT, *extra,
+        "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir", str(output_dir), *extra,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                           text=True, timeout=600)
@@ -46,9 +45,9 @@ def _records(output_dir: Path) -> list[dict]:
 def two_rank_run(tmp_path_factory) -> tuple[Path, list[dict], list[dict]]:
     """(folder, the 40-step run, its resume from the step-38 checkpoint)."""
     folder = tmp_path_factory.mktemp("colocated_all")
-    _torchrun(folder)
+    _torchrun(folder, "--trainer.steps", str(STEPS), *CHECKPOINT)
     first = _records(folder)
-    _torchrun(folder, "--resume")
+    _torchrun(folder, "--trainer.steps", str(STEPS), *CHECKPOINT, "--resume")
     return folder, first, _records(folder)[-2:]
 
 
@@ -91,3 +90,14 @@ def test_every_rank_resume_matches_uninterrupted_run(two_rank_run):
     # New engines on both ranks take the resumed trainer's weights: the same samples, bit for bit.
     for key in ("reward_mean", "loss", "grad_norm", "mismatch_mean", "mismatch_max", "tokens", "weight_version"):
         assert [r[key] for r in resumed] == [r[key] for r in first[38:]], key
+
+
+@pytest.mark.slow
+def test_every_rank_batch_invariant_lora_run_has_zero_differing_tokens_every_step(tmp_path):
+    # Each rank's engine gets the base once, then adapters only; a stale adapter on either would differ.
+    _torchrun(tmp_path, "--trainer.steps", "3", "--grpo.prompts_per_step", "8", "--batch-invariant-mode",
+              "--model.lora.rank", "8", "--trainer.optimizer.lr", "2e-2")
+    records = _records(tmp_path)
+    assert [r["weight_version"] for r in records] == [0, 1, 2]
+    assert [r["mismatch_frac_tokens"] for r in records] == [0.0] * 3
+    assert all(r["mismatch_max"] == 0.0 and r["grad_norm"] > 0 for r in records), records
