@@ -125,28 +125,34 @@ def _private_world():
     vLLM builds its groups over the default process group's whole world, and
     ``new_group`` is collective: the trainer's other ranks, which hold no
     generator, would never join and startup would hang. While the engine is
-    built, the default world looks like one rank and groups synchronise
-    locally (only their members take part).
+    built, the default world looks like one rank, this process is its rank 0,
+    and groups synchronise locally (only their members take part).
     """
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield
         return
-    real_world_size, real_new_group = dist.get_world_size, dist.new_group
+    real_world_size, real_rank, real_new_group = dist.get_world_size, dist.get_rank, dist.new_group
+    me = real_rank()
 
     def world_size(group=None):
         return 1 if group is None else real_world_size(group)
 
-    def new_group(ranks=None, *args, **kwargs):
-        kwargs["use_local_synchronization"] = True
-        return real_new_group(ranks, *args, **kwargs)
+    def rank(group=None):
+        return 0 if group is None else real_rank(group)
 
-    dist.get_world_size, dist.new_group = world_size, new_group
+    def new_group(ranks=None, *args, **kwargs):
+        # vLLM's one-rank world is [0]: on any trainer rank (every rank colocated) that is this process.
+        assert ranks is None or list(ranks) == [0], ranks
+        kwargs["use_local_synchronization"] = True
+        return real_new_group(None if ranks is None else [me], *args, **kwargs)
+
+    dist.get_world_size, dist.get_rank, dist.new_group = world_size, rank, new_group
     try:
         yield
     finally:
-        dist.get_world_size, dist.new_group = real_world_size, real_new_group
+        dist.get_world_size, dist.get_rank, dist.new_group = real_world_size, real_rank, real_new_group
 
 
 def vllm_on_cpu() -> bool:

@@ -164,6 +164,8 @@ class GeneratorConfig:
     """dummy: random start, serve only after the first sync; auto: load model.hf_checkpoint."""
     wait_for_weights_s: float = 0.0
     """How long a generate call waits for the first sync; 0 raises at once."""
+    colocated_ranks: Literal["all", "first"] = "all"
+    """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling settings for rollouts."""
 

@@ -1,10 +1,16 @@
-"""The colocated layout (weight_sync.transport = "inplace"): trainer rank 0 also holds the generator.
+"""The colocated layout (weight_sync.transport = "inplace"): the trainer ranks also hold the generator.
 
-Every rank trains; rank 0's process also runs the vLLM engine, the sync
-copies the trainer's tensors into it in place (WeightSync), and rank 0's
-rollouts reach the other trainer ranks by one broadcast. The loop
-(simple_grpo.py) sees the interface of generator/base.py, as for a generator
-on its own rank (remote.py).
+Every rank trains. With generator.colocated_ranks = "all" (the default) every
+trainer rank's process also runs a vLLM engine on its own device, next to its
+shard of the trainer: the sync gathers each bucket of full tensors on every
+rank (the all-gather FSDP needs anyway) and each rank copies it into its own
+engine in place (WeightSync); a request's prompts are split in contiguous
+blocks, one per rank, each seeded by global prompt index (so the samples do
+not depend on the number of ranks), and one all-gather gives every rank the
+whole batch. With "first" only rank 0 holds an engine and broadcasts its
+rollouts (less memory on the other ranks, T - 1 devices idle while it
+generates). The loop (simple_grpo.py) sees the interface of
+generator/base.py, as for a generator on its own rank (remote.py).
 
 One process and one device do one thing at a time here, so ``submit``
 generates at once, with the weights of that moment: with grpo.max_staleness
@@ -17,24 +23,38 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.generator.base import Done
-from torchtitan_rl.generator.generator import Generator, Rollouts
+from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import WeightSync
 
 
 class ColocatedGenerator:
-    """The generator in trainer rank 0's process; every trainer rank calls each method together."""
+    """The generator in the trainer ranks' processes; every trainer rank calls each method together."""
 
     def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], shape: ModelShape,
                  device: torch.device, workdir: Path) -> None:
         self.generator = None
-        if dist.get_rank() == 0:
-            self.generator = Generator(
-                cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
-                device=device.type, workdir=workdir, batch_invariant=cfg.batch_invariant_mode,
+        rank = dist.get_rank()
+        self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
+        if device.type == "cuda" and dist.get_world_size() > 1 and not self.every_rank:
+            # Seen on 2 H100s: the engine start never returned. Likely cause: torch splits vLLM's new NCCL groups
+            # off the trainer's eagerly initialised group, a collective that the ranks without an engine never join.
+            raise ValueError(
+                "generator.colocated_ranks: 'first' hangs rank 0's vLLM engine at start when other trainer ranks "
+                "hold no engine on CUDA; use 'all' (every rank generates), or weight_sync.transport nccl"
             )
+        """Each rank generates a block of every request; else rank 0 generates it all."""
+        if rank == 0 or self.every_rank:
+            with compat.vllm_device(device):  # this rank's GPU, not cuda:0
+                self.generator = Generator(
+                    cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
+                    # each engine writes its config.json into a folder of its own
+                    workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
+                    batch_invariant=cfg.batch_invariant_mode,
+                )
         try:
             self.weight_sync = WeightSync(
                 cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora
@@ -52,7 +72,13 @@ class ColocatedGenerator:
         return Done(self.rollouts(prompts, **generate_kwargs))
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
-        """Generator.generate on rank 0 (``n``, ``stop_token_ids``, ``seed``); every rank gets the result."""
+        """Generator.generate (``n``, ``stop_token_ids``, ``seed``) on this rank's block of ``prompts``, or on
+        rank 0 for all of them; every rank gets the whole batch, blocks in rank order."""
+        if self.every_rank:
+            a, b = prompt_blocks(len(prompts), dist.get_world_size())[dist.get_rank()]
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self.generator.generate(prompts[a:b], first_prompt=a, **generate_kwargs))
+            return Rollouts.concat(parts)
         payload = [None]
         if self.generator is not None:
             payload = [self.generator.generate(prompts, **generate_kwargs)]
