@@ -19,7 +19,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from torchtitan_rl.cli import one_line_errors
+from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, write_toml
 from torchtitan_rl.config.loader import effective_task, tokenizer_dir
 
@@ -30,8 +30,15 @@ def main(argv: list[str] | None = None) -> None:
         write_toml(cfg, Path(cfg.job.output_dir) / "config.toml")
         print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / 'config.toml'}")
         return
-    with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
-        run(cfg)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: a signal or a failure ends every rank at once
+        exits = RankExits()
+        try:
+            run(cfg)
+        except BaseException as e:  # noqa: BLE001  one line for the job, then os._exit: no rank waits on another
+            exits.fail(e, traceback_dir=Path(cfg.job.output_dir))
+    else:
+        with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
+            run(cfg)
     # After a successful run only (as torchtitan: after a failure some ranks may
     # still be inside a collective). Left to interpreter teardown, gloo's worker
     # threads can still hold tensors and abort a finished rank (SIGABRT, "terminate
@@ -78,7 +85,8 @@ def run(cfg: JobConfig) -> list[dict]:
         # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
-        world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree)
+        world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree,
+                           timeout_s=cfg.trainer.collective_timeout_s)
         if world.role == "generator":
             serve(cfg, world=world, shape=shape, workdir=out)
             return []
@@ -131,6 +139,7 @@ def run(cfg: JobConfig) -> list[dict]:
         inflight = deque((j, prompts, Done(r)) for j, prompts, r in queued)
         requested = start + len(inflight)  # the next step to request rollouts for
         temperature = cfg.generator.sampling.temperature
+        truncated = cfg.generator.sampling.top_p < 1 or cfg.generator.sampling.top_k != -1
         logger = MetricsLogger(out, enabled=rank == 0)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
@@ -178,6 +187,8 @@ def run(cfg: JobConfig) -> list[dict]:
             mismatch = _reduce_token_stats(
                 logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
             )
+            if truncated:  # the generator's logprobs are the truncated distribution's: no sync signal
+                mismatch = dict.fromkeys(mismatch, float("nan"))
             # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
             is_weights_BL, is_stats = importance_weights(
                 trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows],

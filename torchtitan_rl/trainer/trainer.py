@@ -89,7 +89,7 @@ class Trainer:
         set_determinism(self.device)
         if batch_invariant and self.device.type == "cuda":
             compat.enable_batch_invariant_kernels()
-        init_process_group(self.device)
+        init_process_group(self.device, timeout_s=config.collective_timeout_s)
         self.parallel_dims = build_parallel_dims(
             config.parallelism, world_size=dist.get_world_size(), device=self.device
         )
