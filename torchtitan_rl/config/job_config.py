@@ -136,7 +136,7 @@ class SamplingConfig:
     temperature: float = 1.0
     """Sampling temperature, in (0, 2]: the trainer scores logits / temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass; < 1 makes the generator's logprobs those of the truncated distribution (no grpo.importance_correction, no mismatch metric)."""
+    """Nucleus sampling mass. Below 1 the generator's logprobs are the truncated distribution's: no grpo.importance_correction, no mismatch metric."""
     top_k: int = -1
     """Top-k cut-off; -1 disables it (>= 1: as top_p < 1)."""
     max_tokens: int = 8
