@@ -73,8 +73,8 @@ def run(cfg: JobConfig) -> list[dict]:
 
     started = time.perf_counter()
     out = Path(cfg.job.output_dir)
+    device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     task = run_task(cfg)
-    device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
     if cfg.job.export_dir is not None:
         from torchtitan_rl.export import check_target
@@ -320,7 +320,18 @@ def run_device(name: str):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "job.device: this config needs a CUDA GPU and torch finds none; on a CPU run "
+                "run_configs/cpu_tiny.toml or run_configs/smollm2_135m_math_cpu.toml (or --job.device cpu)"
+            )
+        local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ValueError(
+                f"job.device: torchrun's local rank {local_rank} needs GPU {local_rank}, but {visible} "
+                f"{'is' if visible == 1 else 'are'} visible; run at most --nproc-per-node {visible} per machine"
+            )
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 

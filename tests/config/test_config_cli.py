@@ -291,3 +291,12 @@ def test_truncated_sampling_without_correction_is_accepted():
 
 def test_collective_timeout_default_outlasts_a_long_generation():
     assert parse_args([]).trainer.collective_timeout_s >= 1800
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_config_on_a_cpu_machine_is_one_line_naming_the_cpu_configs(tmp_path):
+    proc = run_cli("--config", str(REPO / "run_configs" / "qwen3_0.6b.toml"), "--job.output_dir", str(tmp_path))
+    assert_one_line_error(
+        proc, "job.device: this config needs a CUDA GPU", "run_configs/cpu_tiny.toml",
+        "run_configs/smollm2_135m_math_cpu.toml", prefix="torchtitan_rl: error: ",
+    )
