@@ -284,7 +284,11 @@ def run_task(cfg: JobConfig):
     """The run's task (config.loader.effective_task) built with the task section and its tokenizer folder
     (task.tokenizer, else the checkpoint's)."""
     from torchtitan_rl.grpo import build_task
+    from torchtitan_rl.models.hf_folder import check_hf_folder
 
+    for field, folder in (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("task.tokenizer", cfg.task.tokenizer)):
+        if folder is not None:  # before transformers or safetensors read a file of it
+            check_hf_folder(folder, field=field)
     spec = effective_task(cfg)
     if spec != cfg.grpo.task and os.environ.get("RANK", "0") == "0":
         print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
