@@ -110,16 +110,19 @@ def _environ(process: psutil.Process) -> str:
 def test_collective_timeout_comes_from_the_config(tmp_path):
     """Two trainer ranks (the generator in rank 0's process): rank 1 waits for rank 0's slow step in a
     collective and gives up after trainer.collective_timeout_s, naming it; every rank ends."""
+    t0 = time.monotonic()
     proc = _start(tmp_path, 2, "--trainer.steps", "2", "--trainer.collective_timeout_s", "3",
                   "--grpo.task", "tests.test_process_exits:slow_rank0_digits")
     try:
         _, stderr = proc.communicate(timeout=SlowRank0Digits.SLOW_S + 120)
+        ended_s = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     lines = _our_lines(stderr)
     assert proc.returncode != 0
+    assert ended_s < SlowRank0Digits.SLOW_S, "the job waited for rank 0's slow step instead of timing out"
     assert len(lines) == 1, stderr[-5000:]
     assert lines[0].startswith("torchtitan_rl: rank 1 failed: "), lines[0]
     assert "trainer.collective_timeout_s" in lines[0] and "3000ms" in lines[0], lines[0]
