@@ -70,3 +70,19 @@ def test_cut_off_tokenizer_file_is_named(tokenizer, tmp_path, capsys, name):
 def test_missing_tokenizer_folder_says_so(tmp_path, capsys):
     line = _run(tmp_path, capsys, "--task.tokenizer", str(tmp_path / "nope"), "--grpo.task", "math")
     assert f"task.tokenizer: folder not found: {tmp_path / 'nope'}" in line
+
+
+def test_loaders_name_the_damaged_file_when_called_directly(checkpoint):
+    """Callers that skip the up-front check (export, scripts) get the file named too."""
+    import torch
+
+    from torchtitan_rl.models.families import resolve_shape
+    from torchtitan_rl.trainer.hf_weights import load_hf_weights
+
+    shape = resolve_shape(flavor="tiny", hf_checkpoint=str(checkpoint), vocab_size=0, max_seq_len=64)
+    _cut(checkpoint / "model.safetensors")
+    with pytest.raises(ValueError, match=f"model.hf_checkpoint: {checkpoint / 'model.safetensors'}: "):
+        load_hf_weights(torch.nn.Module(), shape=shape, hf_dir=checkpoint)
+    _cut(checkpoint / "config.json")
+    with pytest.raises(ValueError, match=f"model.hf_checkpoint: {checkpoint / 'config.json'}: not valid JSON"):
+        resolve_shape(flavor="tiny", hf_checkpoint=str(checkpoint), vocab_size=0, max_seq_len=64)
