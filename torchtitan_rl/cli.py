@@ -17,12 +17,16 @@ _KEY = "torchtitan_rl/exit"
 
 @contextmanager
 def one_line_errors():
-    """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2."""
+    """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2;
+    Ctrl-C with one line, exit 130."""
     try:
         yield
     except ValueError as e:
         print(f"torchtitan_rl: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("torchtitan_rl: interrupted (SIGINT)", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 class RankExits:

@@ -490,7 +490,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         cfg = _tyro_cli(default, rest)
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every torchrun rank parses the same argv: one line, not one a rank
+            print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return cfg
 
