@@ -126,3 +126,17 @@ def test_collective_timeout_comes_from_the_config(tmp_path):
     assert len(lines) == 1, stderr[-5000:]
     assert lines[0].startswith("torchtitan_rl: rank 1 failed: "), lines[0]
     assert "trainer.collective_timeout_s" in lines[0] and "3000ms" in lines[0], lines[0]
+
+
+def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
+    """Every rank finds the same mistake (an export folder that is not empty): one line for the job, exit 2."""
+    taken = tmp_path / "export"
+    taken.mkdir()
+    (taken / "model.safetensors").write_text("someone else's")
+    proc = _start(tmp_path, 3, "--weight_sync.transport", "nccl", "--job.export_dir", str(taken))
+    _, stderr = proc.communicate(timeout=120)
+    lines = _our_lines(stderr)
+    assert proc.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank "), stderr[-3000:]
+    assert f"export: {taken} exists and is not empty" in lines[0]
+    assert "exitcode  : 2" in stderr  # torchrun's report of the first rank

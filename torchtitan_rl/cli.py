@@ -75,15 +75,15 @@ class RankExits:
     def fail(self, error: BaseException, *, traceback_dir: Path) -> None:
         """End this rank for an exception out of the run (a ValueError: a user error, exit 2); a bug's
         traceback goes to ``traceback_dir``/error_rank<R>.txt."""
-        dead = self.dead_peer()
-        if dead is None and isinstance(error, RuntimeError):
-            time.sleep(0.3)  # a peer's sockets close a moment before it shows as a zombie
+        dead = None
+        if not isinstance(error, ValueError):  # a user error is this rank's own; anything else may be a lost peer's
             dead = self.dead_peer()
+            if dead is None:
+                time.sleep(0.3)  # a peer's sockets close a moment before it shows as a zombie
+                dead = self.dead_peer()
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         if isinstance(error, ValueError):
             line, code = f"error: rank {self.rank}: {message}", 2
-        elif isinstance(error, KeyboardInterrupt):
-            line, code = f"interrupted (SIGINT) at rank {self.rank}; every rank stops", 130
         else:
             line, code = f"rank {self.rank} failed: {type(error).__name__}: {message}", 1
             if "Timed out" in message or "timed out" in message:
@@ -97,6 +97,11 @@ class RankExits:
                 pass
         self.end(f"{dead}; rank {self.rank} stopped" if dead else line, code)
 
+    def done(self) -> None:
+        """This rank finished its run: its exit is no failure for a peer to report."""
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/pid/{self.rank}", "done")
+
     def dead_peer(self) -> str | None:
         """'rank R (pid P) died' for a rank on this host whose process is gone, if any."""
         if self.store is None:
@@ -107,7 +112,10 @@ class RankExits:
                 key = f"{self.prefix}/pid/{r}"
                 if r == self.rank or not self.store.check([key]):
                     continue
-                peer_host, pid = self.store.get(key).decode().split()
+                value = self.store.get(key).decode()
+                if value == "done":
+                    continue
+                peer_host, pid = value.split()
                 if peer_host == host and not _alive(int(pid)):
                     return f"rank {r} (pid {pid}) died"
         except Exception:  # noqa: BLE001  torchrun's store is gone: it is tearing the job down itself

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
             run(cfg)
         except BaseException as e:  # noqa: BLE001  one line for the job, then os._exit: no rank waits on another
             exits.fail(e, traceback_dir=Path(cfg.job.output_dir))
+        exits.done()
     else:
         with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
             run(cfg)
