@@ -1,14 +1,146 @@
-"""What every command of this package does with a user's mistake."""
+"""What every command of this package does with a user's mistake, a signal, or a failed torchrun rank."""
 
+import os
+import signal
+import socket
 import sys
+import threading
+import time
+import traceback
 from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+_KEY = "torchtitan_rl/exit"
+"""Store keys of the exit protocol: the first failure's line, every rank's host and pid."""
 
 
 @contextmanager
 def one_line_errors():
-    """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2."""
+    """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2;
+    Ctrl-C with one line, exit 130."""
     try:
         yield
     except ValueError as e:
         print(f"torchtitan_rl: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("torchtitan_rl: interrupted (SIGINT)", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+class RankExits:
+    """How one rank of a torchrun job ends: at once, and with one line for the whole job.
+
+    A rank blocked inside a collective or a store wait runs no Python signal
+    handler until that call returns (minutes, or never once a peer is gone),
+    so torchrun's SIGINT/SIGTERM used to wait 30 s for its SIGKILL. Here the
+    signal's C handler writes to a wakeup pipe that a thread watches; the
+    thread (and, for an exception, the main thread) writes the failure's line
+    into torchrun's store unless another rank wrote one first, prints it only
+    then, and ends the process with ``os._exit``. A rank whose peer vanished
+    (kill -9, OOM) names that rank: every rank leaves its host and pid in the
+    store at start, and a pid that is gone or a zombie is the dead one.
+    """
+
+    def __init__(self) -> None:
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.store = None
+        self.prefix = f"{_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves it: no rank waits
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                timeout=timedelta(seconds=5),
+            )
+            self.store.set(f"{self.prefix}/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)  # the thread below acts; the main thread may be stuck in C++
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read,), name="torchtitan_rl-signals", daemon=True).start()
+
+    def _watch(self, read: int) -> None:
+        while True:
+            for signum in os.read(read, 64):
+                if signum in (signal.SIGINT, signal.SIGTERM):
+                    name = signal.Signals(signum).name
+                    dead = self.dead_peer()
+                    line = (f"{dead}; rank {self.rank} stopped ({name})" if dead
+                            else f"interrupted ({name}) at rank {self.rank}; every rank stops")
+                    self.end(line, 128 + signum)
+
+    def fail(self, error: BaseException, *, traceback_dir: Path) -> None:
+        """End this rank for an exception out of the run (a ValueError: a user error, exit 2); a bug's
+        traceback goes to ``traceback_dir``/error_rank<R>.txt."""
+        dead = None
+        if not isinstance(error, ValueError):  # a user error is this rank's own; anything else may be a lost peer's
+            dead = self.dead_peer()
+            if dead is None:
+                time.sleep(0.3)  # a peer's sockets close a moment before it shows as a zombie
+                dead = self.dead_peer()
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if isinstance(error, ValueError):
+            line, code = f"error: rank {self.rank}: {message}", 2
+        else:
+            line, code = f"rank {self.rank} failed: {type(error).__name__}: {message}", 1
+            if "Timed out" in message or "timed out" in message:
+                line += " (waited trainer.collective_timeout_s for another rank)"
+            try:
+                path = Path(traceback_dir) / f"error_rank{self.rank}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("".join(traceback.format_exception(error)))
+                line += f"; traceback in {path}"
+            except OSError:
+                pass
+        self.end(f"{dead}; rank {self.rank} stopped" if dead else line, code)
+
+    def done(self) -> None:
+        """This rank finished its run: its exit is no failure for a peer to report."""
+        if self.store is not None:
+            self.store.set(f"{self.prefix}/pid/{self.rank}", "done")
+
+    def dead_peer(self) -> str | None:
+        """'rank R (pid P) died' for a rank on this host whose process is gone, if any."""
+        if self.store is None:
+            return None
+        host = socket.gethostname()
+        try:
+            for r in range(self.world_size):
+                key = f"{self.prefix}/pid/{r}"
+                if r == self.rank or not self.store.check([key]):
+                    continue
+                value = self.store.get(key).decode()
+                if value == "done":
+                    continue
+                peer_host, pid = value.split()
+                if peer_host == host and not _alive(int(pid)):
+                    return f"rank {r} (pid {pid}) died"
+        except Exception:  # noqa: BLE001  torchrun's store is gone: it is tearing the job down itself
+            return None
+        return None
+
+    def end(self, line: str, code: int) -> None:
+        """Print ``line`` unless another rank's failure came first, then exit without waiting for anyone."""
+        line = f"torchtitan_rl: {line}"
+        first = line
+        if self.store is not None:
+            try:
+                first = self.store.compare_set(f"{self.prefix}/first", "", line).decode()
+            except Exception:  # noqa: BLE001  the store is gone: say it anyway
+                pass
+        if first == line:
+            print(line, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")

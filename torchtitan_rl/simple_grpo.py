@@ -19,7 +19,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from torchtitan_rl.cli import one_line_errors
+from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.loader import effective_task, tokenizer_dir
 
@@ -30,8 +30,16 @@ def main(argv: list[str] | None = None) -> None:
         write_toml(cfg, Path(cfg.job.output_dir) / "config.toml")
         print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / 'config.toml'}")
         return
-    with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
-        run(cfg)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: a signal or a failure ends every rank at once
+        exits = RankExits()
+        try:
+            run(cfg)
+        except BaseException as e:  # noqa: BLE001  one line for the job, then os._exit: no rank waits on another
+            exits.fail(e, traceback_dir=Path(cfg.job.output_dir))
+        exits.done()
+    else:
+        with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
+            run(cfg)
     # After a successful run only (as torchtitan: after a failure some ranks may
     # still be inside a collective). Left to interpreter teardown, gloo's worker
     # threads can still hold tensors and abort a finished rank (SIGABRT, "terminate
@@ -67,15 +75,16 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.weight_sync import init_world
 
     started = time.perf_counter()
+    device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     task = run_task(cfg)
-    device = run_device(cfg.job.device)
     shape = run_shape(cfg, task)
     world = None
     if cfg.weight_sync.transport == "nccl":
         # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
-        world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree)
+        world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree,
+                           timeout_s=cfg.trainer.collective_timeout_s)
         if world.role == "generator":
             plan = agree(cfg, store=world.store, generator=True)
             serve(cfg, world=world, shape=shape, workdir=plan.folder)
@@ -139,6 +148,7 @@ def run(cfg: JobConfig) -> list[dict]:
         inflight = deque((j, prompts, Done(r)) for j, prompts, r in queued)
         requested = start + len(inflight)  # the next step to request rollouts for
         temperature = cfg.generator.sampling.temperature
+        truncated = cfg.generator.sampling.top_p < 1 or cfg.generator.sampling.top_k != -1
         # A resume keeps the history before its step and drops what the lost steps logged: each step once.
         logger = MetricsLogger(out, enabled=rank == 0, resume_step=start if plan.checkpoint else None)
         earlier = len(logger.history)
@@ -188,6 +198,8 @@ def run(cfg: JobConfig) -> list[dict]:
             mismatch = _reduce_token_stats(
                 logprob_mismatch(trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows]), mask_BL[rows], device
             )
+            if truncated:  # the generator's logprobs are the truncated distribution's: no sync signal
+                mismatch = dict.fromkeys(mismatch, float("nan"))
             # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
             is_weights_BL, is_stats = importance_weights(
                 trainer_lp_BL, gen_lp_BL[rows], mask_BL[rows],
@@ -286,7 +298,11 @@ def run_task(cfg: JobConfig):
     """The run's task (config.loader.effective_task) built with the task section and its tokenizer folder
     (task.tokenizer, else the checkpoint's)."""
     from torchtitan_rl.grpo import build_task
+    from torchtitan_rl.models.hf_folder import check_hf_folder
 
+    for field, folder in (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("task.tokenizer", cfg.task.tokenizer)):
+        if folder is not None:  # before transformers or safetensors read a file of it
+            check_hf_folder(folder, field=field)
     spec = effective_task(cfg)
     if spec != cfg.grpo.task and os.environ.get("RANK", "0") == "0":
         print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
@@ -322,7 +338,18 @@ def run_device(name: str):
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "job.device: this config needs a CUDA GPU and torch finds none; on a CPU run "
+                "run_configs/cpu_tiny.toml or run_configs/smollm2_135m_math_cpu.toml (or --job.device cpu)"
+            )
+        local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local_rank >= visible:
+            raise ValueError(
+                f"job.device: torchrun's local rank {local_rank} needs GPU {local_rank}, but {visible} "
+                f"{'is' if visible == 1 else 'are'} visible; run at most --nproc-per-node {visible} per machine"
+            )
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 

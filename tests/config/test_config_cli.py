@@ -210,3 +210,93 @@ def test_config_package_does_not_import_torch_or_vllm():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# -- NaN and inf -----------------------------------------------------------------------
+
+
+def _float_fields() -> list[str]:
+    """Every float field of the tree (tuples of floats included), found by walking the dataclasses."""
+    import typing
+
+    from torchtitan_rl.config.loader import _leaf_types
+
+    def is_float(tp) -> bool:
+        args = typing.get_args(tp)
+        return tp is float or float in args or (typing.get_origin(tp) is tuple and args[0] is float)
+
+    return sorted(path for path, tp in _leaf_types().items() if is_float(tp))
+
+
+def test_float_field_walk_finds_the_known_ones():
+    fields = _float_fields()
+    for known in ("trainer.optimizer.lr", "trainer.max_grad_norm", "grpo.kl_coef", "trainer.optimizer.betas",
+                  "generator.sampling.temperature", "trainer.collective_timeout_s", "serve.max_body_mb"):
+        assert known in fields
+    assert len(fields) >= 20, fields
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("path", _float_fields())
+def test_every_float_field_refuses_nan_and_inf_by_name(tmp_path, capsys, path, value):
+    from torchtitan_rl.config.loader import _get
+
+    default = _get(parse_args([]), path)
+    n = len(default) if isinstance(default, tuple) else 1
+    values = ["0.9"] * (n - 1) + [value]
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--dry-run", "--job.output_dir", str(tmp_path), f"--{path}", *values])
+    assert exit.value.code == 2
+    suffix = f"[{n - 1}]" if n > 1 else ""
+    assert capsys.readouterr().err == f"config error: {path}{suffix}: must be a finite number, got {float(value)}\n"
+    assert not (tmp_path / "config.toml").exists()
+
+
+def test_nan_in_toml_is_refused_in_dry_run(toml, tmp_path):
+    proc = run_cli("--config", toml("[trainer.optimizer]\nlr = nan\n"), "--dry-run", "--job.output_dir", str(tmp_path))
+    assert_one_line_error(proc, "trainer.optimizer.lr: must be a finite number, got nan")
+    assert not (tmp_path / "config.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--generator.sampling.temperature", "0"], "generator.sampling.temperature: must be in (0, 2], got 0.0"),
+        (["--trainer.optimizer.eps", "-1e-8"], "trainer.optimizer.eps: must be >= 0"),
+        (["--trainer.collective_timeout_s", "0"], "trainer.collective_timeout_s: must be > 0"),
+        (["--weight_sync.peer_timeout_s", "-1"], "weight_sync.peer_timeout_s: must be > 0"),
+        (
+            ["--generator.sampling.top_p", "0.8", "--grpo.importance_correction", "truncate"],
+            "grpo.importance_correction: 'truncate' needs the generator's logprobs of the full distribution, but "
+            "generator.sampling.top_p 0.8 / top_k -1",
+        ),
+        (
+            ["--generator.sampling.top_k", "20", "--grpo.importance_correction", "mask"],
+            "grpo.importance_correction: 'mask' needs",
+        ),
+    ],
+)  # fmt: skip
+def test_values_the_engine_or_the_trainer_would_refuse_are_config_errors(tmp_path, capsys, args, expected):
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--dry-run", "--job.output_dir", str(tmp_path), *args])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and expected in err and err.count("\n") == 1, err
+
+
+def test_truncated_sampling_without_correction_is_accepted():
+    cfg = parse_args(["--generator.sampling.top_p", "0.8", "--generator.sampling.top_k", "20"])
+    assert cfg.grpo.importance_correction == "off"
+
+
+def test_collective_timeout_default_outlasts_a_long_generation():
+    assert parse_args([]).trainer.collective_timeout_s >= 1800
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_config_on_a_cpu_machine_is_one_line_naming_the_cpu_configs(tmp_path):
+    proc = run_cli("--config", str(REPO / "run_configs" / "qwen3_0.6b.toml"), "--job.output_dir", str(tmp_path))
+    assert_one_line_error(
+        proc, "job.device: this config needs a CUDA GPU", "run_configs/cpu_tiny.toml",
+        "run_configs/smollm2_135m_math_cpu.toml", prefix="torchtitan_rl: error: ",
+    )

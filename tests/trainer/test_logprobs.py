@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.config.job_config import ModelConfig
+from torchtitan_rl.config.job_config import LoRAConfig, ModelConfig
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.trainer.logprobs import chunked_token_logprobs
 
@@ -95,3 +95,16 @@ def test_token_logprobs_with_a_mask_compute_only_the_masked_positions(make_train
     assert torch.equal(masked_BL[~mask_BL], torch.zeros((~mask_BL).sum()))
     # Rows cut to their micro-batch's longest row and regrouped: fp32 sums in other orders only.
     torch.testing.assert_close(masked_BL[mask_BL], full_BL[mask_BL], rtol=0, atol=1e-5)
+
+
+def test_recompute_runs_without_lora_dropout(make_trainer):
+    """pi_old and pi_ref are the policy itself: the no-grad recompute drops nothing, training still does."""
+    trainer = make_trainer(model_config=ModelConfig(lora=LoRAConfig(rank=4, dropout=0.5)))
+    with torch.no_grad():  # B starts at 0, which would hide the dropout on the adapter's input
+        for name, p in trainer.model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(generator=torch.Generator().manual_seed(1))
+    tokens_BL = make_batch(seed=0).tokens_BL
+    first_BL = trainer.token_logprobs(tokens_BL, temperature=1.0)
+    torch.testing.assert_close(trainer.token_logprobs(tokens_BL, temperature=1.0), first_BL, rtol=0, atol=0)
+    assert trainer.model.training  # the training forward keeps its dropout

@@ -130,16 +130,18 @@ class TrainerConfig:
     """full: keep only each block's input and recompute the block in backward (memory for ~1/3 more compute)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
+    collective_timeout_s: float = 3600.0
+    """Seconds a trainer collective may wait for the other trainer ranks, e.g. while rank 0 generates and scores a step; then the run ends naming it."""
 
 
 @dataclass(kw_only=True)
 class SamplingConfig:
     temperature: float = 1.0
-    """Sampling temperature."""
+    """Sampling temperature, in (0, 2]: the trainer scores logits / temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 the generator's logprobs are the truncated distribution's: no grpo.importance_correction, no mismatch metric."""
     top_k: int = -1
-    """Top-k cut-off; -1 disables it."""
+    """Top-k cut-off; -1 disables it (>= 1: as top_p < 1)."""
     max_tokens: int = 8
     """Completion length limit in tokens."""
 

@@ -18,6 +18,7 @@ import difflib
 import io
 import ipaddress
 import json
+import math
 import os
 import re
 import sys
@@ -175,6 +176,7 @@ def _toml_value(value: Any) -> str:
 
 def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     """Raise ValueError("field.path: message") for impossible settings."""
+    _check_finite(cfg)
     _positive(cfg, "trainer.steps", "trainer.micro_batch_size", "grpo.prompts_per_step")
     _positive(cfg, "generator.sampling.max_tokens", "generator.max_model_len")
     _positive(cfg, "generator.max_num_seqs", "model.max_seq_len")
@@ -185,8 +187,10 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     _at_least(cfg, 0, "trainer.optimizer.weight_decay", "grpo.kl_coef")
     _at_least(cfg, 0, "trainer.micro_batch_tokens", "trainer.recompute_micro_batch_tokens")
     _at_least(cfg, 0, "trainer.logprob_chunk_tokens")
-    _at_least(cfg, 0, "generator.sampling.temperature", "generator.wait_for_weights_s")
-    _in_range(cfg, "generator.sampling.temperature", 0, 2, "[0, 2]")  # vLLM's range
+    _at_least(cfg, 0, "generator.wait_for_weights_s", "trainer.optimizer.eps")
+    # vLLM's range is [0, 2], but 0 (greedy) has no distribution the trainer could score: logits / 0.
+    _in_range(cfg, "generator.sampling.temperature", 0, 2, "(0, 2]")
+    _positive_float(cfg, "trainer.collective_timeout_s", "weight_sync.peer_timeout_s")
     _at_least(cfg, 2, "grpo.group_size")
     _at_least(cfg, 0, "grpo.max_staleness")
     if not cfg.grpo.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
@@ -217,6 +221,15 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     top_k = cfg.generator.sampling.top_k
     if top_k != -1 and top_k < 1:
         raise ValueError(f"generator.sampling.top_k: must be -1 (off) or >= 1, got {top_k}")
+
+    if (cfg.generator.sampling.top_p < 1 or top_k != -1) and cfg.grpo.importance_correction != "off":
+        # vLLM reports logprobs of the truncated distribution it samples from, the trainer scores the full
+        # one: rho = pi_old / pi_generator would shrink every kept token by the mass cut off (docs/design.md).
+        raise ValueError(
+            f"grpo.importance_correction: '{cfg.grpo.importance_correction}' needs the generator's logprobs of the "
+            f"full distribution, but generator.sampling.top_p {cfg.generator.sampling.top_p} / top_k {top_k} make "
+            "them the truncated one's; set top_p 1 and top_k -1, or importance_correction 'off'"
+        )
 
     max_tokens, max_len = cfg.generator.sampling.max_tokens, cfg.generator.max_model_len
     if max_tokens >= max_len:
@@ -393,8 +406,6 @@ def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
             "weight_sync.transport: 'nccl' puts the generator on its own rank; run under torchrun with "
             f">= {replicas + 1} processes (trainer ranks + {ranks}), got world size {world_size}"
         )
-    if cfg.weight_sync.peer_timeout_s <= 0:
-        raise ValueError(f"weight_sync.peer_timeout_s: must be > 0, got {cfg.weight_sync.peer_timeout_s}")
     if par.data_parallel_shard_degree != 1:
         raise ValueError(
             "generator.parallelism.data_parallel_shard_degree: a generator replica holds the whole model, so it "
@@ -418,6 +429,20 @@ def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
         )
 
 
+def _check_finite(cfg: Any, prefix: str = "") -> None:
+    """Every float field (in a tuple too) of the tree is a finite number: NaN passes every `<` check."""
+    for f in dataclasses.fields(cfg):
+        value, path = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, path + ".")
+            continue
+        items = enumerate(value) if isinstance(value, tuple) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, float) and not math.isfinite(item):
+                where = path if i is None else f"{path}[{i}]"
+                raise ValueError(f"{where}: must be a finite number, got {item}")
+
+
 def _get(cfg: JobConfig, path: str) -> Any:
     obj: Any = cfg
     for part in path.split("."):
@@ -427,6 +452,12 @@ def _get(cfg: JobConfig, path: str) -> Any:
 
 def _positive(cfg: JobConfig, *paths: str) -> None:
     _at_least(cfg, 1, *paths)
+
+
+def _positive_float(cfg: JobConfig, *paths: str) -> None:
+    for path in paths:
+        if not _get(cfg, path) > 0:
+            raise ValueError(f"{path}: must be > 0, got {_get(cfg, path)}")
 
 
 def _at_least(cfg: JobConfig, low: int, *paths: str) -> None:
@@ -486,7 +517,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         cfg = _tyro_cli(default, rest)
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every torchrun rank parses the same argv: one line, not one a rank
+            print(f"config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     return cfg
 

@@ -33,9 +33,7 @@ Every wait that only a crash on the other side could make endless gives up
 after ``weight_sync.peer_timeout_s`` with a RuntimeError.
 """
 
-import faulthandler
 import pickle
-import signal
 import time
 from pathlib import Path
 
@@ -186,8 +184,6 @@ def _who(replica: int, replicas: int) -> str:
 def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> None:
     """One generator replica's whole run: build the engine, answer trainer rank 0 until "stop"."""
     assert world.role == "generator"
-    # torchrun ends this rank with SIGTERM when a trainer rank fails: say where it was.
-    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     if world.replicas > 1:  # each writes the config.json its engine reads: not one file rewritten under another
         workdir = workdir / f"replica{world.replica}"
     with compat.vllm_device(world.device):  # this rank's GPU, not cuda:0

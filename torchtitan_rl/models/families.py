@@ -82,7 +82,11 @@ def resolve_shape(*, flavor: str, hf_checkpoint: str | None, vocab_size: int, ma
         config_path = Path(hf_checkpoint) / "config.json"
         if not config_path.is_file():
             raise ValueError(f"model.hf_checkpoint: no config.json in {hf_checkpoint}")
-        return shape_from_hf_config(json.loads(config_path.read_text()), where=f"model.hf_checkpoint: {config_path}")
+        try:
+            hf = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model.hf_checkpoint: {config_path}: not valid JSON ({e})") from None
+        return shape_from_hf_config(hf, where=f"model.hf_checkpoint: {config_path}")
     if flavor not in FLAVORS:
         raise ValueError(f"model.flavor: unknown flavor {flavor!r}; choose from {sorted(FLAVORS)}")
     shape = FLAVORS[flavor]

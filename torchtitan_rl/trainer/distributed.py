@@ -7,6 +7,7 @@ and many compute with the same bf16 copies of the fp32 master weights.
 
 import contextlib
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,20 +25,25 @@ def local_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def init_process_group(device: torch.device) -> None:
-    """Join torchrun's process group, or start a one-process group; reuse one that exists."""
+def init_process_group(device: torch.device, *, timeout_s: float = 3600.0) -> None:
+    """Join torchrun's process group, or start a one-process group; reuse one that exists.
+
+    ``timeout_s`` (trainer.collective_timeout_s) bounds each collective of the default group, where the
+    other trainer ranks wait while rank 0 generates and scores; torch's default would be 10 min on NCCL.
+    """
     if dist.is_initialized():
         return
+    timeout = timedelta(seconds=timeout_s)
     backend, device_id = "gloo", None
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend, device_id = "nccl", device
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, device_id=device_id)
+        dist.init_process_group(backend, device_id=device_id, timeout=timeout)
         return
     # Not launched by torchrun: a private store on a free local port (port 0).
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=device_id)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, device_id=device_id, timeout=timeout)
 
 
 def build_parallel_dims(

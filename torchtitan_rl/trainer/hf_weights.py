@@ -20,5 +20,8 @@ def load_hf_weights(model: nn.Module, *, shape: ModelShape, hf_dir: str | Path) 
         raise ValueError(f"model.hf_checkpoint: no *.safetensors files in {hf_dir}")
     hf_state = {}
     for file in files:
-        hf_state.update(safetensors.torch.load_file(file))
+        try:
+            hf_state.update(safetensors.torch.load_file(file))
+        except safetensors.SafetensorError as e:
+            raise ValueError(f"model.hf_checkpoint: {file}: not a whole safetensors file ({e})") from None
     load_hf_state(model, hf_state, shape, where=f"model.hf_checkpoint: {hf_dir}")

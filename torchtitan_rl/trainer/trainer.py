@@ -10,6 +10,7 @@ same fp32 masters. Gradients are reduced in fp32. The model is wrapped even
 as a single process, so one process and many compute alike.
 """
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +90,7 @@ class Trainer:
         set_determinism(self.device)
         if batch_invariant and self.device.type == "cuda":
             compat.enable_batch_invariant_kernels()
-        init_process_group(self.device)
+        init_process_group(self.device, timeout_s=config.collective_timeout_s)
         self.parallel_dims = build_parallel_dims(
             config.parallelism, world_size=dist.get_world_size(), device=self.device
         )
@@ -195,7 +196,7 @@ class Trainer:
         score_BL = _score_positions(tokens_BL, mask_BL)
         tokens_BL = tokens_BL.to(self.device)
         out_BL = torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
-        with torch.no_grad(), deterministic_algorithms():
+        with torch.no_grad(), deterministic_algorithms(), _eval_mode(self.model):
             budget = self.config.recompute_micro_batch_tokens or self.config.micro_batch_tokens
             for mb in self._micro_batches(score_BL, max_tokens=budget):
                 if mb is None:
@@ -448,6 +449,16 @@ def _build_model(
     with torch.no_grad():
         model.init_states(buffer_device=device)
     return model
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """No dropout (LoRA's) inside: a recomputed pi_old or pi_ref is the policy itself, not a random thinning."""
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train()
 
 
 def _check_temperature(temperature: float) -> None:

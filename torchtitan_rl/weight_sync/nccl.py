@@ -108,14 +108,15 @@ class World:
         return self.role == "trainer" and self.rank == 0
 
 
-def init_world(device_type: str, *, replicas: int = 1) -> World:
+def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0) -> World:
     """Join torchrun's world as a trainer rank or as one of ``replicas`` generator ranks (the last ones).
 
     The trainer ranks' default process group spans the trainer ranks only: the
     Trainer then reuses it (``init_process_group`` keeps an existing group), so
     its meshes, FSDP and every default-group collective exclude the generators
     without a line of trainer code knowing. Each generator rank's default group
-    is itself alone; its vLLM engine builds its groups on it.
+    is itself alone; its vLLM engine builds its groups on it. ``timeout_s``
+    (trainer.collective_timeout_s) bounds each collective of the default groups.
     """
     assert not dist.is_initialized(), "init_world must create the process groups"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -141,6 +142,7 @@ def init_world(device_type: str, *, replicas: int = 1) -> World:
     dist.init_process_group(
         "nccl" if cuda else "gloo", store=dist.PrefixStore(prefix, store),
         rank=group_rank, world_size=group_size, device_id=device if cuda else None,
+        timeout=timedelta(seconds=timeout_s),
     )
     group = None
     if rank == 0 or role == "generator":

@@ -1,0 +1,142 @@
+"""How a torchrun job ends: a signal or a dead rank stops every rank within seconds, with one line for the job.
+
+The 3-process layout of the README (weight_sync.transport nccl: 2 trainer
+ranks + 1 generator rank, gloo on CPU) run by torchrun as a user runs it;
+each fault is caused for real: SIGINT to the whole process group (Ctrl-C in
+a terminal), SIGTERM to torchrun (a scheduler), kill -9 of one rank. A slow
+rank is a task (defined below) whose reward sleeps on rank 0.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import free_port
+from torchtitan_rl.grpo.tasks.digits import DigitsTask
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
+EXIT_S = 5.0
+"""Every rank must be gone this long after the fault."""
+
+
+class SlowRank0Digits(DigitsTask):
+    """The digits task, but rank 0's first reward takes SLOW_S seconds: a long generate + score step."""
+
+    SLOW_S = 30.0
+
+    def __init__(self) -> None:
+        super().__init__(mode="copy")
+        self.slept = os.environ.get("RANK") != "0"
+
+    def reward(self, prompt, completion_ids):
+        if not self.slept:
+            self.slept = True
+            time.sleep(self.SLOW_S)
+        return super().reward(prompt, completion_ids)
+
+
+def slow_rank0_digits() -> SlowRank0Digits:
+    return SlowRank0Digits()
+
+
+def _start(tmp_path: Path, nproc: int, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+        str(free_port()), "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY),
+        "--job.output_dir", str(tmp_path), "--grpo.prompts_per_step", "8", *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a shell gives a foreground job
+
+
+def _our_lines(stderr: str) -> list[str]:
+    """What the ranks said about the end (torchrun's own report, its SignalException or ChildFailedError, and
+    the libraries' start-up warnings left out): their torchtitan_rl lines and any traceback line."""
+    return [line for line in stderr.splitlines()
+            if line.startswith("torchtitan_rl:") or (line.startswith("[rank") and "Traceback" in line)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigint_group", "sigterm_torchrun", "kill_trainer_rank_1"])
+def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_path, fault):
+    proc = _start(tmp_path, 3, "--weight_sync.transport", "nccl", "--trainer.steps", "500")
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.2)  # training: every rank is in its loop (the generator serving, the trainers waiting)
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 3
+        t0 = time.monotonic()
+        if fault == "sigint_group":
+            os.killpg(proc.pid, signal.SIGINT)
+        elif fault == "sigterm_torchrun":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            rank_1 = next(r for r in ranks if "RANK=1" in _environ(r))
+            rank_1.kill()
+        _, alive = psutil.wait_procs(ranks, timeout=EXIT_S)
+        ended_s = time.monotonic() - t0
+        assert not alive, f"{fault}: ranks {[p.pid for p in alive]} still running after {EXIT_S} s"
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    lines = _our_lines(stderr)
+    print(f"{fault}: every rank ended {ended_s:.2f} s after the fault; {lines}")
+    assert len(lines) == 1, stderr[-5000:]
+    expected = {
+        "sigint_group": "interrupted (SIGINT) at rank",
+        "sigterm_torchrun": "interrupted (SIGTERM) at rank",
+        "kill_trainer_rank_1": "rank 1 (pid",
+    }[fault]
+    assert expected in lines[0], lines[0]
+
+
+def _environ(process: psutil.Process) -> str:
+    return " ".join(f"{k}={v}" for k, v in process.environ().items() if k == "RANK")
+
+
+@pytest.mark.slow
+def test_collective_timeout_comes_from_the_config(tmp_path):
+    """Two trainer ranks (the generator in rank 0's process): rank 1 waits for rank 0's slow step in a
+    collective and gives up after trainer.collective_timeout_s, naming it; every rank ends."""
+    t0 = time.monotonic()
+    proc = _start(tmp_path, 2, "--trainer.steps", "2", "--trainer.collective_timeout_s", "3",
+                  "--grpo.task", "tests.test_process_exits:slow_rank0_digits")
+    try:
+        _, stderr = proc.communicate(timeout=SlowRank0Digits.SLOW_S + 120)
+        ended_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    lines = _our_lines(stderr)
+    assert proc.returncode != 0
+    assert ended_s < SlowRank0Digits.SLOW_S, "the job waited for rank 0's slow step instead of timing out"
+    assert len(lines) == 1, stderr[-5000:]
+    assert lines[0].startswith("torchtitan_rl: rank 1 failed: "), lines[0]
+    assert "trainer.collective_timeout_s" in lines[0] and "3000ms" in lines[0], lines[0]
+
+
+def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
+    """Every rank finds the same mistake (an export folder that is not empty): one line for the job, exit 2."""
+    taken = tmp_path / "export"
+    taken.mkdir()
+    (taken / "model.safetensors").write_text("someone else's")
+    proc = _start(tmp_path, 3, "--weight_sync.transport", "nccl", "--job.export_dir", str(taken))
+    _, stderr = proc.communicate(timeout=120)
+    lines = _our_lines(stderr)
+    assert proc.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank "), stderr[-3000:]
+    assert f"export: {taken} exists and is not empty" in lines[0]
+    assert "exitcode  : 2" in stderr  # torchrun's report of the first rank
