@@ -17,6 +17,7 @@ then up to S weight versions old. Heavy imports stay inside ``run`` so that
 import os
 import time
 from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 
 from torchtitan_rl.cli import one_line_errors
@@ -59,6 +60,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.grpo.loss import importance_weights
     from torchtitan_rl.grpo.evaluate import Evaluator
+    from torchtitan_rl.grpo.groups import REFILL_SEED_OFFSET, fill_with_signal, rollout_metrics, score_groups
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.trainer.trainer import TrainBatch
@@ -92,7 +94,8 @@ def run(cfg: JobConfig) -> list[dict]:
     evaluator = None
     if cfg.eval.every_n_steps:
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
-                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len)
+                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
+                              samples=cfg.metrics.samples_per_eval)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
@@ -131,7 +134,10 @@ def run(cfg: JobConfig) -> list[dict]:
         inflight = deque((j, prompts, Done(r)) for j, prompts, r in queued)
         requested = start + len(inflight)  # the next step to request rollouts for
         temperature = cfg.generator.sampling.temperature
+        max_tokens = cfg.generator.sampling.max_tokens
         logger = MetricsLogger(out, enabled=rank == 0)
+        if cfg.metrics.wandb.project is not None:
+            logger.attach_wandb(cfg.metrics.wandb, run_config=asdict(cfg), name=cfg.job.name)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()
@@ -159,18 +165,42 @@ def run(cfg: JobConfig) -> list[dict]:
             # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step, first=start):
                 logger.log_eval(step, evaluator.run(generator, step=step))
+                logger.log_samples(step, evaluator.samples)
 
-            # 3. score, 4. group-relative advantages
-            rewards_B = torch.tensor(
-                [task.reward(prompts[i // G], c) for i, c in enumerate(rollouts.completion_ids)]
-            )
-            advantages_B = group_advantages(rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
+            # 3. score: each rank a share, gathered (every rank trains on the same rewards); DAPO's
+            #    dynamic sampling replaces groups without signal by fresh ones, sampled now
+            def scored(prompts_r, rollouts_r):
+                return score_groups(
+                    task, prompts_r, rollouts_r, group_size=G, max_tokens=max_tokens, overlong=cfg.grpo.overlong,
+                    overlong_buffer=cfg.grpo.overlong_buffer, overlong_penalty_at_max=cfg.grpo.overlong_penalty,
+                    device=device,
+                )
+
+            def refill(round_):  # its own RNG per (seed, step, round): the step's prompts do not depend on S
+                more = task.sample_prompts(P, generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
+                return scored(more, task.rollouts(
+                    generator, more, n=G, seed=REFILL_SEED_OFFSET * round_ + cfg.job.seed * 1_000_003 + step,
+                    sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
+                ))
+
+            drawn = scored(prompts, rollouts)
+            signals = rollout_metrics(drawn)  # the step's first sample, before any filtering
+            batch, sampling_stats = drawn, {}
+            if cfg.grpo.dynamic_sampling:
+                batch, sampling_stats = fill_with_signal(
+                    drawn, refill, want=P, max_rounds=cfg.grpo.dynamic_sampling_max_rounds
+                )
+            rewards_B = drawn.task_rewards_B
+            # 4. group-relative advantages
+            advantages_B = group_advantages(batch.rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
 
             # 5. this rank's rows; the trainer recomputes their logprobs
             tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
-                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id,
-                loss_mask=rollouts.loss_mask,
+                batch.prompt_ids, batch.completion_ids, batch.logprobs, pad_id=task.pad_id,
+                loss_mask=batch.loss_mask,
             )
+            if cfg.grpo.overlong == "mask":  # DAPO's overlong filtering: cut completions leave the loss
+                mask_BL[batch.truncated_B] = 0
             # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
             per_rank = P * G // trainer.dp_size
             rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
@@ -189,12 +219,12 @@ def run(cfg: JobConfig) -> list[dict]:
                 if reference else None
             )
 
-            # 6. clipped policy-gradient step
+            # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old above
             t_train = time.perf_counter()
             metrics = trainer.train_step(
                 TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL,
                            is_weights_BL),
-                temperature=temperature, grpo=cfg.grpo,
+                temperature=temperature, grpo=cfg.grpo, max_tokens=max_tokens,
             )
             train_s = time.perf_counter() - t_train
 
@@ -207,10 +237,12 @@ def run(cfg: JobConfig) -> list[dict]:
                 })
 
             # 7. log
-            completion_tokens = sum(len(c) for c in rollouts.completion_ids)
+            completion_tokens = sum(len(c) for c in rollouts.completion_ids)  # generated for the first draw
             record = {
                 "reward_mean": rewards_B.mean().item(),
                 "reward_max": rewards_B.max().item(),
+                **signals,
+                **sampling_stats,
                 **metrics,
                 **mismatch,
                 **is_stats,
@@ -267,6 +299,7 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
     if cfg.weight_sync.enable:  # the negative control's generator keeps serving step-0 weights
         generator.sync(trainer.sync_state(), version=version)
     logger.log_eval(version, evaluator.run(generator, step=version))
+    logger.log_samples(version, evaluator.samples)
 
 
 def run_task(cfg: JobConfig):

@@ -202,6 +202,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
 
     _in_range(cfg, "grpo.clip_eps_low", 0, 1, "[0, 1)")
     _in_range(cfg, "grpo.clip_eps_high", 0, 1, "[0, 1)")
+    _check_grpo_variants(cfg)
     _in_range(cfg, "generator.sampling.top_p", 0, 1, "(0, 1]")
     _in_range(cfg, "generator.gpu_memory_utilization", 0, 1, "(0, 1]")
     _in_range(cfg, "trainer.lr_scheduler.min_lr_ratio", 0, 1, "[0, 1]")
@@ -289,6 +290,17 @@ def effective_task(cfg: JobConfig) -> str:
 def tokenizer_dir(cfg: JobConfig) -> str | None:
     """The folder the run's task tokenizes with (and an export copies): task.tokenizer, else the checkpoint's."""
     return cfg.task.tokenizer or cfg.model.hf_checkpoint
+
+
+def _check_grpo_variants(cfg: JobConfig) -> None:
+    """Epochs, mini-batches, dynamic sampling, overlong handling and the entropy bonus (docs/design.md)."""
+    _positive(cfg, "grpo.epochs", "grpo.mini_batches")
+    _at_least(cfg, 0, "grpo.overlong_penalty", "grpo.entropy_coef", "metrics.samples_per_eval")
+    if cfg.grpo.dynamic_sampling:
+        _positive(cfg, "grpo.dynamic_sampling_max_rounds")
+    if cfg.grpo.overlong == "soft_penalty" and not 0 < cfg.grpo.overlong_buffer <= cfg.generator.sampling.max_tokens:
+        raise ValueError(f"grpo.overlong_buffer: must be in [1, generator.sampling.max_tokens "
+                         f"{cfg.generator.sampling.max_tokens}], got {cfg.grpo.overlong_buffer}")
 
 
 def _check_task(cfg: JobConfig) -> None:
