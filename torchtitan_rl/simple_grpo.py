@@ -246,6 +246,7 @@ def run(cfg: JobConfig) -> list[dict]:
                 **metrics,
                 **mismatch,
                 **is_stats,
+                "completion_tokens": completion_tokens + sampling_stats.get("refill_completion_tokens", 0.0),
                 "weight_version": rollouts.weight_version,
                 "staleness": staleness,
                 "gen_tokens_per_s": completion_tokens / max(rollouts.generate_s, 1e-9),
