@@ -4,7 +4,8 @@
 # each, all four at once (a 135M model leaves the H100 mostly idle), held-out accuracy at 0, 50 and 100.
 #   bash scripts/gpu/research_compare.sh start     # launch (setsid: they outlive the device call)
 #   bash scripts/gpu/research_compare.sh status    # progress; copies metrics to $OUT
-# Every run gets the same overrides: eval every 50 steps, a quarter of the GPU's memory for vLLM, no checkpoints.
+# Every run gets the same overrides: eval every 50 steps, 12% of the GPU memory for each vLLM engine,
+# micro-batches of 16 rows (four trainers share the GPU), no checkpoints.
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=/tmp/research
@@ -18,6 +19,7 @@ case ${1:-status} in
       date -u +%s > $RUNS/$name.start
       setsid nohup python3 -m torchtitan_rl.simple_grpo --config "$(config $name)" --job.output_dir $RUNS/$name \
         --eval.every_n_steps 50 --generator.gpu_memory_utilization ${GPU_MEM:-0.12} --trainer.checkpoint.no-enable \
+        --trainer.micro_batch_size ${MICRO:-16} \
         > $RUNS/$name.log 2>&1 < /dev/null &
       sleep ${STAGGER:-40}  # vLLM profiles free memory at start: one engine at a time
     done
