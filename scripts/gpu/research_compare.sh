@@ -1,10 +1,10 @@
 #!/bin/bash
 # The research-surface comparison on one GPU (docs/benchmarks.md, "GRPO recipes on SmolLM2 math"):
 # today's default run_configs/smollm2_135m_math.toml and the GRPO, Dr. GRPO and DAPO presets, 100 steps
-# each, all four at once (a 135M model leaves the H100 mostly idle), held-out accuracy at 0, 50 and 100.
+# each, all four at once (a 135M model leaves the H100 mostly idle), held-out accuracy every 25 steps.
 #   bash scripts/gpu/research_compare.sh start     # launch (setsid: they outlive the device call)
 #   bash scripts/gpu/research_compare.sh status    # progress; copies metrics to $OUT
-# Every run gets the same overrides: eval every 50 steps, 12% of the GPU memory for each vLLM engine,
+# Every run gets the same overrides: eval every 25 steps, 15% of the GPU memory for each vLLM engine,
 # micro-batches of 16 rows (four trainers share the GPU), no checkpoints.
 set -u
 cd "$(dirname "$0")/../.."
@@ -18,10 +18,10 @@ case ${1:-status} in
     for name in $NAMES; do
       date -u +%s > $RUNS/$name.start
       setsid nohup python3 -m torchtitan_rl.simple_grpo --config "$(config $name)" --job.output_dir $RUNS/$name \
-        --eval.every_n_steps 50 --generator.gpu_memory_utilization ${GPU_MEM:-0.12} --trainer.checkpoint.no-enable \
+        --eval.every_n_steps ${EVAL_EVERY:-25} --generator.gpu_memory_utilization ${GPU_MEM:-0.15} --trainer.checkpoint.no-enable \
         --trainer.micro_batch_size ${MICRO:-16} \
         > $RUNS/$name.log 2>&1 < /dev/null &
-      sleep ${STAGGER:-40}  # vLLM profiles free memory at start: one engine at a time
+      sleep ${STAGGER:-25}  # vLLM profiles free memory at start: one engine at a time
     done
     ;;
   status)
