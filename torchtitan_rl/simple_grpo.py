@@ -14,6 +14,7 @@ then up to S weight versions old. Heavy imports stay inside ``run`` so that
 --help and config errors are instant.
 """
 
+import functools
 import os
 import time
 from collections import deque
@@ -138,6 +139,10 @@ def run(cfg: JobConfig) -> list[dict]:
         logger = MetricsLogger(out, enabled=rank == 0)
         if cfg.metrics.wandb.project is not None:
             logger.attach_wandb(cfg.metrics.wandb, run_config=asdict(cfg), name=cfg.job.name)
+        scored = functools.partial(  # (prompts, rollouts) -> Groups: rewards, overlong penalty, cut flags
+            score_groups, task, group_size=G, max_tokens=max_tokens, overlong=cfg.grpo.overlong,
+            overlong_buffer=cfg.grpo.overlong_buffer, overlong_penalty_at_max=cfg.grpo.overlong_penalty, device=device,
+        )
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()
@@ -169,13 +174,6 @@ def run(cfg: JobConfig) -> list[dict]:
 
             # 3. score: each rank a share, gathered (every rank trains on the same rewards); DAPO's
             #    dynamic sampling replaces groups without signal by fresh ones, sampled now
-            def scored(prompts_r, rollouts_r):
-                return score_groups(
-                    task, prompts_r, rollouts_r, group_size=G, max_tokens=max_tokens, overlong=cfg.grpo.overlong,
-                    overlong_buffer=cfg.grpo.overlong_buffer, overlong_penalty_at_max=cfg.grpo.overlong_penalty,
-                    device=device,
-                )
-
             def refill(round_):  # its own RNG per (seed, step, round): the step's prompts do not depend on S
                 more = task.sample_prompts(P, generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
                 return scored(more, task.rollouts(
@@ -190,7 +188,7 @@ def run(cfg: JobConfig) -> list[dict]:
                 batch, sampling_stats = fill_with_signal(
                     drawn, refill, want=P, max_rounds=cfg.grpo.dynamic_sampling_max_rounds
                 )
-            rewards_B = drawn.task_rewards_B
+            rewards_B = drawn.task_rewards_B  # logged: the task's reward of the first draw, comparable across recipes
             # 4. group-relative advantages
             advantages_B = group_advantages(batch.rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
 
@@ -200,7 +198,10 @@ def run(cfg: JobConfig) -> list[dict]:
                 loss_mask=batch.loss_mask,
             )
             if cfg.grpo.overlong == "mask":  # DAPO's overlong filtering: cut completions leave the loss
-                mask_BL[batch.truncated_B] = 0
+                if batch.truncated_B.all():  # nothing would be left to score: the same zero policy gradient
+                    advantages_B = torch.zeros_like(advantages_B)
+                else:
+                    mask_BL[batch.truncated_B] = 0
             # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
             per_rank = P * G // trainer.dp_size
             rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)

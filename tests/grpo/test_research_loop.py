@@ -63,3 +63,18 @@ def test_evaluation_samples_and_per_level_rewards_reach_jsonl_and_tensorboard(tm
     for r in history:
         assert {"reward_mean/level_1", "reward_mean/level_3", "entropy", "response_length_p90",
                 "truncated_frac"} <= set(r)
+
+
+@pytest.mark.slow
+def test_overlong_mask_takes_exactly_the_cut_completions_out_of_the_loss(tmp_path):
+    def one_step(name, overlong):
+        cfg = _config(tmp_path / name, steps=1)
+        cfg.generator.sampling.max_tokens = 2
+        cfg.grpo.overlong = overlong
+        return run(cfg)[0]
+
+    off, masked = one_step("off", "off"), one_step("mask", "mask")
+    B = 32 * 8  # cpu_tiny's prompts_per_step x group_size
+    cut = round(off["truncated_frac"] * B)
+    assert 0 < cut < B and masked["truncated_frac"] == off["truncated_frac"]  # the same samples
+    assert masked["tokens"] == off["tokens"] - 2 * cut  # a cut completion has max_tokens = 2 tokens

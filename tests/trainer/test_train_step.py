@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from torchtitan_rl.config.job_config import GRPOConfig, LoRAConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 
 from .helpers import make_batch
 
@@ -196,3 +196,13 @@ def test_entropy_metric_matches_the_whole_logits_path_and_the_bonus_raises_it(ma
         before = trainer.train_step(flat, temperature=0.7, grpo=bonus)["entropy"]
         after = trainer.train_step(flat, temperature=0.7, grpo=bonus)["entropy"]
         assert after > before + 1e-3, (chunk, before, after)
+
+
+def test_epochs_and_mini_batches_with_lora_step_only_the_adapters(make_trainer):
+    trainer = make_trainer(model_config=ModelConfig(lora=LoRAConfig(rank=2)), optimizer=OptimizerConfig(lr=3e-2))
+    before = {k: p.full_tensor().clone() for k, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step(make_batch(seed=13), temperature=1.0,
+                                 grpo=dataclasses.replace(GRPO, epochs=2, mini_batches=2))
+    assert metrics["optimizer_steps"] == 4 and metrics["ratio_max"] > 1.0
+    moved = {k for k, p in trainer.model.named_parameters() if not torch.equal(p.full_tensor(), before[k])}
+    assert moved and all("lora" in k for k in moved), sorted(moved)[:3]
