@@ -1,13 +1,16 @@
 """The GRPO policy loss: a PPO-style clipped surrogate per token (or per sequence, GSPO), and its off-policy weight.
 
 Every token of a completion shares its completion's advantage. The ratio
-pi / pi_old lets several optimizer steps reuse one batch of rollouts;
-clipping it keeps each update inside a trust region around pi_old, the
-trainer's own recompute at the start of the step. The tokens were sampled by
+pi / pi_old lets several optimizer steps reuse one batch of rollouts
+(grpo.epochs x grpo.mini_batches); clipping it keeps each update inside a
+trust region around pi_old, the trainer's own recompute at the start of the
+batch. The tokens were sampled by
 the generator, mu, which differs from pi_old by its kernels (bf16 rounding)
 and, with grpo.max_staleness > 0, by older weights: ``importance_weights``
 gives each token the weight pi_old / mu, truncated or masked at a cap
-(docs/design.md, "Asynchronous GRPO").
+(docs/design.md, "Asynchronous GRPO"). How the per-token terms become one
+number (token or sequence means, Dr. GRPO's constant) and GSPO's sequence
+ratio: docs/design.md, "The research surface".
 """
 
 from typing import Literal

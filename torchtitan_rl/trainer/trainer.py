@@ -536,9 +536,17 @@ def _score_positions(tokens_BL: torch.Tensor, mask_BL: torch.Tensor | None) -> t
     return score_BL
 
 
-def _entropy(logprobs_BLV: torch.Tensor) -> torch.Tensor:
-    """[B, L]: -sum_v p log p of each position's distribution, from its log-probabilities."""
-    return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
+def _entropy(logprobs_BLV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[B, L]: -sum_v p log p of each position's distribution, from its log-probabilities. Without
+    autograd, ``chunk`` positions at a time: a metric must not add whole-logits buffers to the peak."""
+    if torch.is_grad_enabled():
+        return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
+    flat_NV = logprobs_BLV.reshape(-1, logprobs_BLV.shape[-1])
+    out_N = flat_NV.new_empty(flat_NV.shape[0])
+    for start in range(0, flat_NV.shape[0], chunk):
+        part_CV = flat_NV[start : start + chunk]
+        out_N[start : start + chunk] = -(part_CV.exp() * part_CV).sum(-1)
+    return out_N.view(logprobs_BLV.shape[:-1])
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
