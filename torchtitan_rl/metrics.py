@@ -20,6 +20,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
+        self._wandb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -66,6 +67,43 @@ class MetricsLogger:
         self._jsonl.flush()
         for key, value in metrics.items():
             self._tb.add_scalar(tb_key(key), value, step)
+        if self._wandb is not None:
+            self._wandb.log({tb_key(key): value for key, value in metrics.items()}, step=step)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Sample completions of an evaluation (prompt, completion, reward, version): one line each in
+        samples.jsonl, one text entry per evaluation in TensorBoard (and a table in W&B)."""
+        if not self.enabled or not samples:
+            return
+        with open(self.output_dir / "samples.jsonl", "a") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+        text = "\n\n".join(
+            f"**reward {s['reward']:.2f}, weights v{s['version']}**\n\n```\n{s['prompt']}\n---\n{s['completion']}\n```"
+            for s in samples
+        )
+        self._tb.add_text("samples", text, step)
+        if self._wandb is not None:
+            columns = ["step", *samples[0]]
+            table = self._wandb_module.Table(columns=columns, data=[[step, *s.values()] for s in samples])
+            self._wandb.log({"samples": table}, step=step)
+
+    def attach_wandb(self, config, *, run_config: dict | None = None, name: str = "") -> None:
+        """Also log every scalar to Weights & Biases (metrics.wandb; rank 0 only). wandb is an optional
+        extra (pip install 'torchtitan_rl[wandb]'); offline mode writes under output_dir/wandb."""
+        if not self.enabled:
+            return
+        try:
+            import wandb  # optional and heavy: imported only when asked for
+        except ImportError:
+            raise ValueError(
+                "metrics.wandb.project: wandb is not installed; pip install 'torchtitan_rl[wandb]'"
+            ) from None
+        self._wandb_module = wandb
+        self._wandb = wandb.init(
+            project=config.project, entity=config.entity, mode=config.mode, name=name or None,
+            dir=str(self.output_dir), config=run_config or {},
+        )
 
     def sync(self) -> None:
         """Make every line written so far durable (before a checkpoint that counts on them)."""
@@ -77,6 +115,8 @@ class MetricsLogger:
         """Flush and draw reward and logprob mismatch over steps; returns the PNG path."""
         if not self.enabled:
             return None
+        if self._wandb is not None:
+            self._wandb.finish()
         self._jsonl.close()
         self._tb.close()
         if not self.history:

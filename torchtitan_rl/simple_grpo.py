@@ -14,6 +14,7 @@ then up to S weight versions old. Heavy imports stay inside ``run`` so that
 --help and config errors are instant.
 """
 
+import functools
 import os
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
-from torchtitan_rl.config.loader import effective_task, tokenizer_dir
+from torchtitan_rl.config.loader import effective_task, redacted_dict, tokenizer_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +68,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.grpo.loss import importance_weights
     from torchtitan_rl.grpo.evaluate import Evaluator
+    from torchtitan_rl.grpo.groups import REFILL_SEED_OFFSET, fill_with_signal, rollout_metrics, score_groups
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.runs import agree
     from torchtitan_rl.trainer import Trainer
@@ -109,7 +111,8 @@ def run(cfg: JobConfig) -> list[dict]:
     evaluator = None
     if cfg.eval.every_n_steps:
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
-                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len)
+                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
+                              samples=cfg.metrics.samples_per_eval)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
@@ -149,9 +152,16 @@ def run(cfg: JobConfig) -> list[dict]:
         requested = start + len(inflight)  # the next step to request rollouts for
         temperature = cfg.generator.sampling.temperature
         truncated = cfg.generator.sampling.top_p < 1 or cfg.generator.sampling.top_k != -1
+        max_tokens = cfg.generator.sampling.max_tokens
         # A resume keeps the history before its step and drops what the lost steps logged: each step once.
         logger = MetricsLogger(out, enabled=rank == 0, resume_step=start if plan.checkpoint else None)
         earlier = len(logger.history)
+        if cfg.metrics.wandb.project is not None:
+            logger.attach_wandb(cfg.metrics.wandb, run_config=redacted_dict(cfg), name=cfg.job.name)
+        scored = functools.partial(  # (prompts, rollouts) -> Groups: rewards, overlong penalty, cut flags
+            score_groups, task, group_size=G, max_tokens=max_tokens, overlong=cfg.grpo.overlong,
+            overlong_buffer=cfg.grpo.overlong_buffer, overlong_penalty_at_max=cfg.grpo.overlong_penalty, device=device,
+        )
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         for step in bar:
             t_step = time.perf_counter()
@@ -179,18 +189,38 @@ def run(cfg: JobConfig) -> list[dict]:
             # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step, first=0):  # a resumed run evaluates where an uninterrupted one does
                 logger.log_eval(step, evaluator.run(generator, step=step))
+                logger.log_samples(step, evaluator.samples)
 
-            # 3. score, 4. group-relative advantages
-            rewards_B = torch.tensor(
-                [task.reward(prompts[i // G], c) for i, c in enumerate(rollouts.completion_ids)]
-            )
-            advantages_B = group_advantages(rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
+            # 3. score: each rank a share, gathered (every rank trains on the same rewards); DAPO's
+            #    dynamic sampling replaces groups without signal by fresh ones, sampled now
+            def refill(round_):  # its own RNG per (seed, step, round): the step's prompts do not depend on S
+                more = task.sample_prompts(P, generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
+                return scored(more, task.rollouts(
+                    generator, more, n=G, seed=REFILL_SEED_OFFSET * round_ + cfg.job.seed * 1_000_003 + step,
+                    sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
+                ))
+
+            drawn = scored(prompts, rollouts)
+            signals = rollout_metrics(drawn)  # the step's first sample, before any filtering
+            batch, sampling_stats = drawn, {}
+            if cfg.grpo.dynamic_sampling:
+                batch, sampling_stats = fill_with_signal(
+                    drawn, refill, want=P, max_rounds=cfg.grpo.dynamic_sampling_max_rounds
+                )
+            rewards_B = drawn.task_rewards_B  # logged: the task's reward of the first draw, comparable across recipes
+            # 4. group-relative advantages
+            advantages_B = group_advantages(batch.rewards_B, group_size=G, norm=cfg.grpo.advantage_norm)
 
             # 5. this rank's rows; the trainer recomputes their logprobs
             tokens_BL, mask_BL, gen_lp_BL = pack_rollouts(
-                rollouts.prompt_ids, rollouts.completion_ids, rollouts.logprobs, pad_id=task.pad_id,
-                loss_mask=rollouts.loss_mask,
+                batch.prompt_ids, batch.completion_ids, batch.logprobs, pad_id=task.pad_id,
+                loss_mask=batch.loss_mask,
             )
+            if cfg.grpo.overlong == "mask":  # DAPO's overlong filtering: cut completions leave the loss
+                if batch.truncated_B.all():  # nothing would be left to score: the same zero policy gradient
+                    advantages_B = torch.zeros_like(advantages_B)
+                else:
+                    mask_BL[batch.truncated_B] = 0
             # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
             per_rank = P * G // trainer.dp_size
             rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
@@ -211,23 +241,26 @@ def run(cfg: JobConfig) -> list[dict]:
                 if reference else None
             )
 
-            # 6. clipped policy-gradient step
+            # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old above
             t_train = time.perf_counter()
             metrics = trainer.train_step(
                 TrainBatch(tokens_BL[rows], mask_BL[rows], trainer_lp_BL, advantages_B[rows], ref_lp_BL,
                            is_weights_BL),
-                temperature=temperature, grpo=cfg.grpo,
+                temperature=temperature, grpo=cfg.grpo, max_tokens=max_tokens,
             )
             train_s = time.perf_counter() - t_train
 
             # 7. log
-            completion_tokens = sum(len(c) for c in rollouts.completion_ids)
+            completion_tokens = sum(len(c) for c in rollouts.completion_ids)  # generated for the first draw
             record = {
                 "reward_mean": rewards_B.mean().item(),
                 "reward_max": rewards_B.max().item(),
+                **signals,
+                **sampling_stats,
                 **metrics,
                 **mismatch,
                 **is_stats,
+                "completion_tokens": completion_tokens + sampling_stats.get("refill_completion_tokens", 0.0),
                 "weight_version": rollouts.weight_version,
                 "staleness": staleness,
                 "gen_tokens_per_s": completion_tokens / max(rollouts.generate_s, 1e-9),
@@ -292,6 +325,7 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
     if cfg.weight_sync.enable:  # the negative control's generator keeps serving step-0 weights
         generator.sync(trainer.sync_state(), version=version)
     logger.log_eval(version, evaluator.run(generator, step=version))
+    logger.log_samples(version, evaluator.samples)
 
 
 def run_task(cfg: JobConfig):

@@ -4,6 +4,7 @@ No engine here: a port nobody listens on, and a real socket peer that hangs
 up on every request (a server killed mid-answer).
 """
 
+import json
 import socket
 import threading
 
@@ -11,7 +12,7 @@ import pytest
 
 from tests.helpers import free_port
 from torchtitan_rl.config import JobConfig, load_toml, to_toml
-from torchtitan_rl.config.loader import check_serve
+from torchtitan_rl.config.loader import check_serve, redacted_dict
 from torchtitan_rl.generator.server_client import ServerClient, ServerGone
 
 
@@ -46,6 +47,7 @@ def test_secrets_come_from_the_environment_and_config_toml_redacts_them(tmp_path
     cfg.serve.token, cfg.serve.api_key = "s3cret-token", "s3cret-key"
     text = to_toml(cfg)
     assert "s3cret" not in text and text.count("<redacted>") == 2
+    assert "s3cret" not in json.dumps(redacted_dict(cfg))  # the config W&B uploads with a run
     (tmp_path / "config.toml").write_text(text)
     back = load_toml(tmp_path / "config.toml")
     with pytest.raises(ValueError, match="serve.token: the config file shows it redacted"):

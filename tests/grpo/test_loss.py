@@ -229,3 +229,87 @@ def test_importance_weighted_gradient_from_stale_samples_is_the_on_policy_gradie
     # near 1), 0.68 without: the bounds leave a wide margin both ways.
     assert error(estimate("truncate")) < 0.02
     assert error(estimate("off")) > 0.3
+
+
+# Two sequences, 3 and 1 scored tokens, on-policy (ratio 1): per-token loss -A_b.
+_OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]])
+_ADV = torch.tensor([2.0, -1.0])
+_MASK = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+@pytest.mark.parametrize("aggregation, loss, grad_row0, grad_row1", [
+    # token mean (DAPO): sum / 4 tokens.
+    ("token_mean", -(3 * 2.0 - 1.0) / 4, -2.0 / 4, 1.0 / 4),
+    # sequence mean of token means (GRPO): (mean(-2, -2, -2) + mean(1)) / 2.
+    ("seq_mean_token_mean", (-2.0 + 1.0) / 2, -2.0 / 3 / 2, 1.0 / 2),
+    # Dr. GRPO: sum / (2 sequences x max_tokens 5).
+    ("seq_mean_token_sum_norm", -(3 * 2.0 - 1.0) / 10, -2.0 / 10, 1.0 / 10),
+])
+def test_loss_aggregations_match_hand_computed_case(aggregation, loss, grad_row0, grad_row1):
+    logprobs_BT = _OLD.clone().requires_grad_()
+    out, metrics = grpo_loss(logprobs_BT, _OLD, _ADV, _MASK, **CLIP, aggregation=aggregation, max_tokens=5)
+    out.backward()
+    assert out.item() == pytest.approx(loss)
+    expected = torch.tensor([[grad_row0] * 3, [grad_row1, 0.0, 0.0]])
+    torch.testing.assert_close(logprobs_BT.grad, expected)
+    assert metrics["tokens"] == 4.0 and metrics["sequences"] == 2.0
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_sequence_aggregations_accumulate_over_micro_batches_exactly(aggregation):
+    logprobs_BT, old_BT, advantages_B, mask_BT = _ragged_batch(seed=3, B=6)
+    kwargs = dict(**CLIP, aggregation=aggregation, max_tokens=7)
+    full_lp_BT = logprobs_BT.clone().requires_grad_()
+    full, _ = grpo_loss(full_lp_BT, old_BT, advantages_B, mask_BT, **kwargs)
+    full.backward()
+    micro_lp_BT = logprobs_BT.clone().requires_grad_()
+    total = 0.0
+    for rows in (slice(0, 2), slice(2, 6)):
+        loss, _ = grpo_loss(micro_lp_BT[rows], old_BT[rows], advantages_B[rows], mask_BT[rows],
+                            num_sequences=6, **kwargs)
+        loss.backward()
+        total += loss.item()
+    assert total == pytest.approx(full.item(), rel=1e-5)
+    torch.testing.assert_close(micro_lp_BT.grad, full_lp_BT.grad, rtol=0, atol=1e-7)
+
+
+def test_gspo_ratio_is_the_geometric_mean_of_the_token_ratios_clipped_per_sequence():
+    # Row 0: token ratios 2 and 0.5 -> sequence ratio 1 (inside the clip); row 1: ratios 1.5, 1.5, 1.5
+    # -> 1.5 > 1 + 0.2 with a positive advantage: clipped, no gradient, every token counted as clipped.
+    old_BT = torch.full((2, 3), -1.0)
+    log_r = torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.5, 1.5]]).log()
+    logprobs_BT = (old_BT + log_r).requires_grad_()
+    mask_BT = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    advantages_B = torch.tensor([1.0, 1.0])
+    loss, metrics = grpo_loss(logprobs_BT, old_BT, advantages_B, mask_BT, **CLIP, ratio_level="sequence",
+                              aggregation="seq_mean_token_mean")
+    loss.backward()
+    # Sequence losses -1 * 1 and -1.2 * 1 (clipped), averaged over the two sequences.
+    assert loss.item() == pytest.approx(-(1.0 + 1.2) / 2)
+    # d/dlp_t of -s * A / 2 (sequence mean) with s = exp(mean_t log r): -s / n / 2 per token of row 0.
+    torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[-0.25, -0.25, 0.0], [0.0, 0.0, 0.0]]))
+    assert metrics["ratio_mean"] == pytest.approx((2 * 1.0 + 3 * 1.5) / 5)
+    assert metrics["ratio_max"] == pytest.approx(1.5)
+    assert metrics["clip_frac_high"] == pytest.approx(3 / 5) and metrics["clip_frac_low"] == 0.0
+
+
+def test_clip_fractions_and_approx_kl_match_hand_computed_case():
+    # Token ratios 1.5 (A > 0: high clip), 0.5 (A < 0: low clip), 0.9 (A < 0: inside), 1.1 (A > 0: inside).
+    ratios = torch.tensor([[1.5, 1.1], [0.5, 0.9]])
+    old_BT = torch.full((2, 2), -1.0)
+    _, metrics = grpo_loss(old_BT + ratios.log(), old_BT, torch.tensor([1.0, -1.0]), torch.ones(2, 2), **CLIP)
+    assert metrics["clip_frac_high"] == 0.25 and metrics["clip_frac_low"] == 0.25
+    assert metrics["clip_fraction"] == 0.5
+    k3 = (ratios - 1 - ratios.log()).mean().item()  # KL(pi_old || pi) estimated from pi_old's samples
+    assert metrics["approx_kl"] == pytest.approx(k3)
+    assert metrics["ratio_max"] == pytest.approx(1.5)
+
+
+def test_entropy_bonus_subtracts_the_aggregated_entropy():
+    entropy_BT = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]], requires_grad=True)
+    base, _ = grpo_loss(_OLD, _OLD, _ADV, _MASK, **CLIP)
+    loss, metrics = grpo_loss(_OLD, _OLD, _ADV, _MASK, **CLIP, entropy_BT=entropy_BT, entropy_coef=0.1)
+    loss.backward()
+    assert metrics["entropy"] == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert loss.item() == pytest.approx(base.item() - 0.1 * 10 / 4)
+    torch.testing.assert_close(entropy_BT.grad, -0.1 / 4 * _MASK.float())

@@ -6,7 +6,8 @@ FSDP (dp_shard=2, fp32 compute: see test_fsdp_step_equals_single_process_full_ba
 rank r takes rows SPLITS[r] of the global batch (uneven
 on purpose: the ranks run different numbers of micro-batches), computes
 logprobs, trains one step, gathers the full parameters; then a 2-rank
-checkpoint round trip: save, step, reload into a new Trainer, step.
+checkpoint round trip: save, step, reload into a new Trainer, step; then 2 epochs x 2 mini-batches
+on an even split.
 
 TP (tensor_parallel_degree=2): both ranks take the whole batch.
 """
@@ -56,6 +57,12 @@ def main() -> None:
     resumed.load_latest_checkpoint()
     second_resumed = resumed.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
 
+    # Epochs x mini-batches (rank r: rows [4r, 4r + 4), each rank's half is half of every mini-batch).
+    epochs = make_trainer()
+    even = TrainBatch(**{k: v[4 * dist.get_rank() : 4 * dist.get_rank() + 4] for k, v in full.items()})
+    epoch_metrics = epochs.train_step(even, temperature=1.0, grpo=GRPOConfig(epochs=2, mini_batches=2))
+    epoch_params = {k: v.full_tensor() for k, v in epochs.model.named_parameters()}
+
     tp = make_trainer("bfloat16", tensor_parallel_degree=2)
     assert tp.dp_size == 1
     whole = TrainBatch(**full)
@@ -65,7 +72,8 @@ def main() -> None:
     torch.save(
         {"metrics": metrics, "params": params, "logprobs": logprobs,
          "second": second, "second_resumed": second_resumed,
-         "tp_logprobs": tp_logprobs, "tp_metrics": tp_metrics},
+         "tp_logprobs": tp_logprobs, "tp_metrics": tp_metrics,
+         "epoch_metrics": epoch_metrics, "epoch_params": epoch_params},
         out_dir / f"rank{dist.get_rank()}.pt",
     )
     dist.destroy_process_group()

@@ -84,3 +84,19 @@ def test_tensor_parallel_matches_single_process(two_ranks, make_trainer):
     torch.testing.assert_close(r0["tp_logprobs"], logprobs, rtol=0, atol=1e-2)
     # Absolute: the loss is a mean of ratio * advantage, O(1) terms that cancel.
     assert r0["tp_metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-3)
+
+
+def test_fsdp_epochs_and_mini_batches_equal_single_process(two_ranks, make_trainer):
+    batch, (r0, r1) = two_ranks
+    assert r0["epoch_metrics"] == r1["epoch_metrics"]
+    # Rank r holds rows [4r, 4r + 4); mini-batch m of the global batch is each rank's m-th half: rows
+    # 0, 1, 4, 5 then 2, 3, 6, 7, which one process sees in this order.
+    order = torch.tensor([0, 1, 4, 5, 2, 3, 6, 7])
+    single = make_trainer(micro_batch_size=2, model_config=ModelConfig(dtype="float32"))
+    permuted = type(batch)(**{k: v[order] for k, v in vars(batch).items() if v is not None})
+    metrics = single.train_step(permuted, temperature=1.0, grpo=GRPOConfig(epochs=2, mini_batches=2))
+    assert r0["epoch_metrics"]["optimizer_steps"] == metrics["optimizer_steps"] == 4
+    assert r0["epoch_metrics"]["ratio_max"] == pytest.approx(metrics["ratio_max"], rel=1e-5)
+    assert r0["epoch_metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+    for name, p in single.model.named_parameters():
+        torch.testing.assert_close(r0["epoch_params"][name], p.full_tensor(), rtol=0, atol=1e-6)

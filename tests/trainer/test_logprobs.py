@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.config.job_config import LoRAConfig, ModelConfig
 from torchtitan_rl.models.shape import build_titan_model
-from torchtitan_rl.trainer.logprobs import chunked_token_logprobs
+from torchtitan_rl.trainer.logprobs import chunked_token_logprobs, chunked_token_logprobs_and_entropy
 
 from .helpers import make_batch
 
@@ -82,6 +82,34 @@ def test_chunked_token_logprobs_match_full_logits_forward_and_backward():
         torch.testing.assert_close(got_N, want_N, rtol=0, atol=1e-5)
         for got, want in zip(got_grads, want_grads):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_chunked_entropy_matches_a_direct_computation_forward_and_backward():
+    g = torch.Generator().manual_seed(1)
+    hidden_ND = torch.randn(13, 8, generator=g, dtype=torch.float32).requires_grad_()
+    weight_VD = torch.randn(32, 8, generator=g, dtype=torch.float32).requires_grad_()
+    targets_N = torch.randint(0, 32, (13,), generator=g)
+    up_lp_N, up_ent_N = torch.randn(13, generator=g), torch.randn(13, generator=g)
+
+    p_NV = torch.softmax(F.linear(hidden_ND, weight_VD) / 0.7, dim=-1)
+    want_lp_N = p_NV.log().gather(-1, targets_N[:, None])[:, 0]
+    want_ent_N = -(p_NV * p_NV.log()).sum(-1)  # H = -sum_v p log p, written out
+    want = torch.autograd.grad((want_lp_N * up_lp_N + want_ent_N * up_ent_N).sum(), (hidden_ND, weight_VD))
+    for chunk in (1, 5, 64):
+        lp_N, ent_N = chunked_token_logprobs_and_entropy(
+            hidden_ND, weight_VD, targets_N, temperature=0.7, chunk_tokens=chunk, entropy="grad"
+        )
+        got = torch.autograd.grad((lp_N * up_lp_N + ent_N * up_ent_N).sum(), (hidden_ND, weight_VD))
+        torch.testing.assert_close(ent_N, want_ent_N, rtol=0, atol=1e-5)
+        torch.testing.assert_close(lp_N, want_lp_N, rtol=0, atol=1e-5)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # As a metric: the same values, no gradient through them, the logprobs' gradient bit for bit as without.
+    lp_N, ent_N = chunked_token_logprobs_and_entropy(hidden_ND, weight_VD, targets_N, temperature=0.7, chunk_tokens=5)
+    assert not ent_N.requires_grad
+    plain = torch.autograd.grad((chunked_token_logprobs(hidden_ND, weight_VD, targets_N, temperature=0.7,
+                                                        chunk_tokens=5) * up_lp_N).sum(), hidden_ND)[0]
+    assert torch.equal(torch.autograd.grad((lp_N * up_lp_N).sum(), hidden_ND)[0], plain)
 
 
 def test_token_logprobs_with_a_mask_compute_only_the_masked_positions(make_trainer):

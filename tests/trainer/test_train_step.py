@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, OptimizerConfig, ParallelismConfig
+from torchtitan_rl.config.job_config import GRPOConfig, LoRAConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 
 from .helpers import make_batch
 
@@ -162,3 +162,47 @@ def test_importance_weights_reach_the_loss(make_trainer):
     # and in each bf16 gradient, so the norm halves bit for bit too.
     assert halved["loss"] == plain["loss"] / 2
     assert halved["grad_norm"] == plain["grad_norm"] / 2
+
+
+def test_epochs_move_the_ratio_off_one_and_clipping_engages(make_trainer):
+    batch = make_batch(seed=11)
+    trainer = make_trainer(optimizer=OptimizerConfig(lr=3e-2))
+    batch = dataclasses.replace(
+        batch, old_logprobs_BL=trainer.token_logprobs(batch.tokens_BL, temperature=1.0) * batch.loss_mask_BL
+    )
+    one = make_trainer(optimizer=OptimizerConfig(lr=3e-2)).train_step(batch, temperature=1.0, grpo=GRPO)
+    # One step from pi_old: the ratio is 1 (bf16 recompute noise aside) and nothing is clipped.
+    assert one["clip_fraction"] == 0.0 and one["ratio_max"] < 1.01 and one["optimizer_steps"] == 1
+    grpo = dataclasses.replace(GRPO, epochs=3, mini_batches=2, clip_eps_low=0.05, clip_eps_high=0.05)
+    many = trainer.train_step(batch, temperature=1.0, grpo=grpo)
+    assert many["optimizer_steps"] == 6 and trainer.step == 1  # one GRPO step, one weight version
+    assert many["ratio_max"] > 1.05 and many["approx_kl"] > 0
+    assert many["clip_frac_low"] > 0 and many["clip_frac_high"] > 0
+    assert many["clip_fraction"] == pytest.approx(many["clip_frac_low"] + many["clip_frac_high"])
+    assert many["lr"] == one["lr"]  # the schedule steps once per batch
+
+
+def test_entropy_metric_matches_the_whole_logits_path_and_the_bonus_raises_it(make_trainer):
+    batch = make_batch(seed=12)
+    chunked = make_trainer(logprob_chunk_tokens=5).train_step(batch, temperature=0.7, grpo=GRPO)
+    whole = make_trainer(logprob_chunk_tokens=0).train_step(batch, temperature=0.7, grpo=GRPO)
+    assert 0 < chunked["entropy"] < torch.log(torch.tensor(16.0)).item()
+    assert chunked["entropy"] == pytest.approx(whole["entropy"], rel=1e-3)  # bf16 logits, other GEMM shapes
+    # The bonus alone (advantages 0) moves the policy toward higher entropy.
+    flat = dataclasses.replace(batch, advantages_B=torch.zeros(8))
+    bonus = dataclasses.replace(GRPO, entropy_coef=1.0)
+    for chunk in (5, 0):
+        trainer = make_trainer(logprob_chunk_tokens=chunk, optimizer=OptimizerConfig(lr=3e-2))
+        before = trainer.train_step(flat, temperature=0.7, grpo=bonus)["entropy"]
+        after = trainer.train_step(flat, temperature=0.7, grpo=bonus)["entropy"]
+        assert after > before + 1e-3, (chunk, before, after)
+
+
+def test_epochs_and_mini_batches_with_lora_step_only_the_adapters(make_trainer):
+    trainer = make_trainer(model_config=ModelConfig(lora=LoRAConfig(rank=2)), optimizer=OptimizerConfig(lr=3e-2))
+    before = {k: p.full_tensor().clone() for k, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step(make_batch(seed=13), temperature=1.0,
+                                 grpo=dataclasses.replace(GRPO, epochs=2, mini_batches=2))
+    assert metrics["optimizer_steps"] == 4 and metrics["ratio_max"] > 1.0
+    moved = {k for k, p in trainer.model.named_parameters() if not torch.equal(p.full_tensor(), before[k])}
+    assert moved and all("lora" in k for k in moved), sorted(moved)[:3]

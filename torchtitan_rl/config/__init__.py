@@ -9,6 +9,7 @@ from torchtitan_rl.config.job_config import (
     JobSection,
     LoRAConfig,
     LRSchedulerConfig,
+    MetricsConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelismConfig,
@@ -16,6 +17,7 @@ from torchtitan_rl.config.job_config import (
     ServeConfig,
     TaskConfig,
     TrainerConfig,
+    WandbConfig,
     WeightSyncConfig,
 )
 from torchtitan_rl.config.loader import (
@@ -36,6 +38,7 @@ __all__ = [
     "JobSection",
     "LoRAConfig",
     "LRSchedulerConfig",
+    "MetricsConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -43,6 +46,7 @@ __all__ = [
     "ServeConfig",
     "TaskConfig",
     "TrainerConfig",
+    "WandbConfig",
     "WeightSyncConfig",
     "from_dict",
     "load_toml",

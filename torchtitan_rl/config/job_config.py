@@ -196,6 +196,26 @@ class GRPOConfig:
     """Per-token weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator: truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
     importance_cap: float = 2.0
     """The cap C of grpo.importance_correction (> 1)."""
+    epochs: int = 1
+    """Passes over each batch of rollouts (PPO epochs); > 1 reuses the batch, so the ratio pi / pi_old moves off 1 and clipping acts. One batch is still one weight version for the generator."""
+    mini_batches: int = 1
+    """Optimizer steps per pass: each rank's rows split into this many contiguous parts (whole groups where the split allows); pi_old stays the batch's start."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (sequences x generator.sampling.max_tokens) (Dr. GRPO)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: per-token ratio pi / pi_old (PPO, GRPO); sequence: each sequence's geometric-mean ratio, clipped as one (GSPO; its paper clips at ~3e-4 / 4e-4)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no signal) and draw more prompts until the batch holds grpo.prompts_per_step groups with signal (DAPO)."""
+    dynamic_sampling_max_rounds: int = 3
+    """Most extra rounds of grpo.prompts_per_step prompts per step under dynamic sampling; still short after them, the batch is topped up with dropped groups (advantage 0)."""
+    overlong: Literal["off", "mask", "soft_penalty"] = "off"
+    """Completions cut at generator.sampling.max_tokens: off: trained as any; mask: left out of the loss (DAPO's overlong filtering); soft_penalty: DAPO's length penalty over the last grpo.overlong_buffer tokens, added to the reward."""
+    overlong_buffer: int = 64
+    """soft_penalty: the last L tokens before max_tokens in which the penalty grows linearly from 0 to -grpo.overlong_penalty."""
+    overlong_penalty: float = 1.0
+    """soft_penalty: the penalty at max_tokens (DAPO: 1)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (the policy's token entropy, aggregated as the loss) subtracted from the loss; 0: entropy is only measured."""
 
 
 @dataclass(kw_only=True)
@@ -238,6 +258,24 @@ class EvalConfig:
     """Completion length limit during evaluation; 0 takes generator.sampling.max_tokens."""
     mean_at_k: int = 0
     """Also sample k completions per problem at the training temperature and report mean accuracy; 0: off."""
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    project: str | None = None
+    """Weights & Biases project to log every metric to (pip install 'torchtitan_rl[wandb]'); none: off."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: write the run under output_dir/wandb, no network (upload later with `wandb sync`); online: stream it."""
+    entity: str | None = None
+    """W&B team or user; none takes the logged-in default."""
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    samples_per_eval: int = 4
+    """Completions of each held-out evaluation written to samples.jsonl and TensorBoard's text tab (prompt, completion, reward, version); 0: none."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases, beside metrics.jsonl and TensorBoard."""
 
 
 @dataclass(kw_only=True)
@@ -305,6 +343,8 @@ class JobConfig:
     """The task's tokenizer, prompts, data and reward settings (math, dataset)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation on the generator that serves training."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """What a run logs besides the per-step scalars: sample completions, Weights & Biases."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """Trainer -> generator weight sync."""
     serve: ServeConfig = field(default_factory=ServeConfig)

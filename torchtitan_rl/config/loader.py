@@ -208,6 +208,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
 
     _in_range(cfg, "grpo.clip_eps_low", 0, 1, "[0, 1)")
     _in_range(cfg, "grpo.clip_eps_high", 0, 1, "[0, 1)")
+    _check_grpo_variants(cfg)
     _in_range(cfg, "generator.sampling.top_p", 0, 1, "(0, 1]")
     _in_range(cfg, "generator.gpu_memory_utilization", 0, 1, "(0, 1]")
     _in_range(cfg, "trainer.lr_scheduler.min_lr_ratio", 0, 1, "[0, 1]")
@@ -306,6 +307,17 @@ def tokenizer_dir(cfg: JobConfig) -> str | None:
     return cfg.task.tokenizer or cfg.model.hf_checkpoint
 
 
+def _check_grpo_variants(cfg: JobConfig) -> None:
+    """Epochs, mini-batches, dynamic sampling, overlong handling and the entropy bonus (docs/design.md)."""
+    _positive(cfg, "grpo.epochs", "grpo.mini_batches")
+    _at_least(cfg, 0, "grpo.overlong_penalty", "grpo.entropy_coef", "metrics.samples_per_eval")
+    if cfg.grpo.dynamic_sampling:
+        _positive(cfg, "grpo.dynamic_sampling_max_rounds")
+    if cfg.grpo.overlong == "soft_penalty" and not 0 < cfg.grpo.overlong_buffer <= cfg.generator.sampling.max_tokens:
+        raise ValueError(f"grpo.overlong_buffer: must be in [1, generator.sampling.max_tokens "
+                         f"{cfg.generator.sampling.max_tokens}], got {cfg.grpo.overlong_buffer}")
+
+
 def _check_task(cfg: JobConfig) -> None:
     """The task section against grpo.task (the files are read when the task is built)."""
     task, name = cfg.task, effective_task(cfg).partition(":")[0]
@@ -345,6 +357,16 @@ def _check_eval(cfg: JobConfig) -> None:
 SECRETS = {"serve.token": "TORCHTITAN_RL_SERVE_TOKEN", "serve.api_key": "TORCHTITAN_RL_API_KEY"}
 """Secret fields and the environment variables that may hold them; config.toml shows them as REDACTED."""
 REDACTED = "<redacted>"
+
+
+def redacted_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The config as nested dicts with the secrets shown as REDACTED (for loggers that upload their run's config)."""
+    data = dataclasses.asdict(cfg)
+    for path in SECRETS:
+        table, name = path.split(".")
+        if data[table][name]:
+            data[table][name] = REDACTED
+    return data
 
 
 def check_serve(cfg: JobConfig) -> None:

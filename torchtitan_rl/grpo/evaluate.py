@@ -20,7 +20,7 @@ mixing (generator.sample_seed) folds every seed into int64."""
 
 class Evaluator:
     def __init__(self, config: EvalConfig, *, task: Task, spec: str, sampling: SamplingConfig, seed: int,
-                 max_total_tokens: int) -> None:
+                 max_total_tokens: int, samples: int = 0) -> None:
         prompts = task.heldout_prompts()
         if not prompts:
             raise ValueError(f"eval.every_n_steps: grpo.task {spec!r} has no held-out set")
@@ -28,6 +28,9 @@ class Evaluator:
         self.task = task
         self.prompts = prompts[: config.num_prompts] if config.num_prompts else prompts
         self.seed = seed
+        self.num_samples = samples
+        self.samples: list[dict] = []
+        """The last run's first ``samples`` greedy completions: prompt, completion, reward, correct, version."""
         self.max_total_tokens = max_total_tokens
         max_tokens = config.max_tokens or sampling.max_tokens
         # Greedy: temperature 0 is vLLM's argmax; top-p/top-k off so nothing else changes the choice.
@@ -45,6 +48,11 @@ class Evaluator:
         play = dict(seed=seed, max_total_tokens=self.max_total_tokens)  # a multi-turn task plays its episodes
         greedy = self.task.rollouts(generator, self.prompts, n=1, sampling=self.greedy, **play)
         hits = [self.task.correct(p, c) for p, c in zip(self.prompts, greedy.completion_ids)]
+        self.samples = [
+            {"prompt": p.text, "completion": self.task.tokenizer.decode(c, skip_special_tokens=True),
+             "reward": self.task.reward(p, c), "correct": bool(hit), "version": greedy.weight_version}
+            for p, c, hit in list(zip(self.prompts, greedy.completion_ids, hits))[: self.num_samples]
+        ]
         metrics = {
             "eval_accuracy": sum(hits) / len(hits),
             "eval_prompts": len(hits),

@@ -1,19 +1,26 @@
-"""The GRPO policy loss: a PPO-style clipped surrogate per token, and its off-policy weight.
+"""The GRPO policy loss: a PPO-style clipped surrogate per token (or per sequence, GSPO), and its off-policy weight.
 
 Every token of a completion shares its completion's advantage. The ratio
-pi / pi_old lets several optimizer steps reuse one batch of rollouts;
-clipping it keeps each update inside a trust region around pi_old, the
-trainer's own recompute at the start of the step. The tokens were sampled by
+pi / pi_old lets several optimizer steps reuse one batch of rollouts
+(grpo.epochs x grpo.mini_batches); clipping it keeps each update inside a
+trust region around pi_old, the trainer's own recompute at the start of the
+batch. The tokens were sampled by
 the generator, mu, which differs from pi_old by its kernels (bf16 rounding)
 and, with grpo.max_staleness > 0, by older weights: ``importance_weights``
 gives each token the weight pi_old / mu, truncated or masked at a cap
-(docs/design.md, "Asynchronous GRPO").
+(docs/design.md, "Asynchronous GRPO"). How the per-token terms become one
+number (token or sequence means, Dr. GRPO's constant) and GSPO's sequence
+ratio: docs/design.md, "The research surface".
 """
 
 from typing import Literal
 
 import torch
 from torch import Tensor
+
+
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+"""How per-token losses become one number (docs/design.md, "Loss aggregation")."""
 
 
 def grpo_loss(
@@ -28,34 +35,53 @@ def grpo_loss(
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
     is_weights_BT: Tensor | None = None,
+    aggregation: LossAggregation = "token_mean",
+    num_sequences: int | None = None,
+    max_tokens: int | None = None,
+    ratio_level: Literal["token", "sequence"] = "token",
+    entropy_BT: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate (+ optional k3 KL to a reference), mean over valid tokens.
+    """Clipped surrogate (+ optional k3 KL to a reference, - optional entropy bonus), aggregated over tokens.
 
     Args:
         logprobs_BT: log pi(token) under the policy being trained; carries grad.
-        old_logprobs_BT: log pi_old(token) of the policy that sampled the tokens.
+        old_logprobs_BT: log pi_old(token), the policy at the start of the batch (the trainer's recompute).
         advantages_B: one advantage per sequence, broadcast over its tokens.
         mask_BT: 1/True on completion tokens to score; prompt and padding are 0.
         clip_eps_low, clip_eps_high: ratio is clipped to [1 - low, 1 + high].
         ref_logprobs_BT: log pi_ref(token) of a frozen reference, for the KL term.
         kl_coef: weight of the k3 KL estimate exp(ref - lp) - (ref - lp) - 1.
-        num_tokens: normaliser for the token sum. Pass the valid-token count of
+        num_tokens: token_mean's normaliser. Pass the valid-token count of
             the whole batch when this call sees one micro-batch: the summed
             micro-batch losses (and gradients) then equal the full-batch loss.
             None uses this call's own valid-token count.
         is_weights_BT: per-token importance weight pi_old / mu (capped), from
             ``importance_weights``; it multiplies the clipped surrogate (not the
             KL term). None: no correction, the loss as without it, bit for bit.
+        aggregation: token_mean (DAPO): sum over every valid token / token count;
+            seq_mean_token_mean (GRPO, Shao et al. 2024): each sequence's token mean,
+            averaged over sequences; seq_mean_token_sum_norm (Dr. GRPO, Liu et al.
+            2025): sum over tokens / (sequences x max_tokens), a constant per batch shape.
+        num_sequences: the seq_* aggregations' sequence count of the whole batch
+            (sequences with at least one scored token); None: this call's.
+        max_tokens: seq_mean_token_sum_norm's constant (generator.sampling.max_tokens).
+        ratio_level: token: pi / pi_old per token (PPO, GRPO); sequence (GSPO, Zheng
+            et al. 2025): every token of a sequence takes the sequence's geometric-mean
+            ratio exp(mean_t log(pi / pi_old)), clipped as one.
+        entropy_BT: the policy's entropy at each position (differentiable for a bonus).
+        entropy_coef: the bonus: the aggregated entropy times this is subtracted.
 
-    The loss is a token-level mean (sum over valid tokens / token count), not
-    a mean of per-sequence means: every token weighs the same, so long
-    completions are not down-weighted per token (DAPO's argument), and the
-    normaliser is one number, which makes micro-batch accumulation exact.
+    Every row is whole in one call (micro-batches split rows, never columns), so
+    per-sequence means and the GSPO ratio are exact in each call.
 
-    Returns the scalar loss and float metrics: loss, clip_fraction (share of
-    valid tokens whose gradient clipping removed), kl (mean k3; 0 without a
-    reference), ratio_mean, and tokens (this call's valid-token count, to
-    weight the means when combining micro-batches).
+    Returns the scalar loss and float metrics: loss; clip_fraction, clip_frac_low,
+    clip_frac_high (share of valid tokens whose gradient the low / high clip removed);
+    kl (mean k3 to the reference; 0 without one); approx_kl, the k3 estimate of
+    KL(pi_old || pi) = mean (r - 1) - log r over token ratios r; ratio_mean and
+    ratio_max of the ratio the loss used; entropy (mean; 0 without entropy_BT);
+    and tokens (this call's valid-token count, to weight the means when combining
+    micro-batches).
     """
     assert logprobs_BT.shape == old_logprobs_BT.shape == mask_BT.shape, (
         f"shape mismatch: {logprobs_BT.shape}, {old_logprobs_BT.shape}, {mask_BT.shape}"
@@ -64,7 +90,10 @@ def grpo_loss(
         f"advantages {tuple(advantages_B.shape)} vs logprobs {tuple(logprobs_BT.shape)}"
     )
     assert kl_coef == 0.0 or ref_logprobs_BT is not None, "kl_coef > 0 needs ref_logprobs_BT"
+    assert entropy_coef == 0.0 or entropy_BT is not None, "entropy_coef > 0 needs entropy_BT"
     assert num_tokens is None or num_tokens > 0, f"num_tokens must be positive, got {num_tokens}"
+    assert num_sequences is None or num_sequences > 0, f"num_sequences must be positive, got {num_sequences}"
+    assert aggregation != "seq_mean_token_sum_norm" or (max_tokens or 0) > 0, "seq_mean_token_sum_norm needs max_tokens"
     if clip_eps_low < 0 or clip_eps_high < 0:
         raise ValueError(
             f"grpo.clip_eps_low/high must be >= 0, got {clip_eps_low}, {clip_eps_high}"
@@ -77,7 +106,14 @@ def grpo_loss(
     # Zero the log-ratio on masked positions *before* exp: padding may hold
     # garbage logprobs, and exp(inf) there would turn into NaN gradients.
     log_ratio_BT = torch.where(mask_BT, logprobs_BT - old_logprobs_BT.to(dtype), 0.0)
-    ratio_BT = torch.exp(log_ratio_BT)
+    seq_tokens_B1 = mask_BT.sum(dim=1, keepdim=True)
+    if ratio_level == "sequence":
+        # GSPO: log s_i = mean over the sequence's tokens of log(pi / pi_old); 0 for an empty row.
+        log_seq_ratio_B1 = log_ratio_BT.sum(dim=1, keepdim=True) / seq_tokens_B1.clamp(min=1)
+        ratio_BT = torch.exp(log_seq_ratio_B1).expand_as(log_ratio_BT)
+    else:
+        assert ratio_level == "token", ratio_level
+        ratio_BT = torch.exp(log_ratio_BT)
     adv_B1 = advantages_B.to(dtype).unsqueeze(1)
     unclipped_BT = ratio_BT * adv_B1
     clipped_BT = ratio_BT.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv_B1
@@ -95,25 +131,43 @@ def grpo_loss(
         # k3 (Schulman): unbiased for KL(pi || ref), always >= 0, low variance.
         kl_BT = torch.exp(ref_delta_BT) - ref_delta_BT - 1.0
         per_token_BT = per_token_BT + kl_coef * kl_BT
+    if entropy_coef:
+        per_token_BT = per_token_BT - entropy_coef * entropy_BT.to(dtype)
 
     valid = int(mask_BT.sum().item())
-    denom = num_tokens if num_tokens is not None else max(valid, 1)
-    loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / denom
+    seqs = int((seq_tokens_B1 > 0).sum().item())
+    if aggregation == "token_mean":
+        denom = num_tokens if num_tokens is not None else max(valid, 1)
+        loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / denom
+    else:
+        denom = num_sequences if num_sequences is not None else max(seqs, 1)
+        if aggregation == "seq_mean_token_mean":
+            per_token_BT = per_token_BT / seq_tokens_B1.clamp(min=1).to(dtype)
+        else:
+            assert aggregation == "seq_mean_token_sum_norm", aggregation
+            denom = denom * max_tokens
+        loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / denom
 
     with torch.no_grad():
-        clipped_mask_BT = ((adv_B1 > 0) & (ratio_BT > 1.0 + clip_eps_high)) | (
-            (adv_B1 < 0) & (ratio_BT < 1.0 - clip_eps_low)
-        )
+        clipped_high_BT = (adv_B1 > 0) & (ratio_BT > 1.0 + clip_eps_high)
+        clipped_low_BT = (adv_B1 < 0) & (ratio_BT < 1.0 - clip_eps_low)
+        token_ratio_BT = torch.exp(log_ratio_BT)
 
         def masked_mean(x_BT: Tensor) -> float:
             return (torch.where(mask_BT, x_BT.float(), 0.0).sum() / max(valid, 1)).item()
 
         metrics = {
             "loss": loss.item(),
-            "clip_fraction": masked_mean(clipped_mask_BT),
+            "clip_fraction": masked_mean(clipped_high_BT | clipped_low_BT),
+            "clip_frac_low": masked_mean(clipped_low_BT),
+            "clip_frac_high": masked_mean(clipped_high_BT),
             "kl": masked_mean(kl_BT) if kl_BT is not None else 0.0,
+            "approx_kl": masked_mean(token_ratio_BT - 1.0 - log_ratio_BT),
             "ratio_mean": masked_mean(ratio_BT),
+            "ratio_max": ratio_BT[mask_BT].max().item() if valid else 0.0,
+            "entropy": masked_mean(entropy_BT) if entropy_BT is not None else 0.0,
             "tokens": float(valid),
+            "sequences": float(seqs),
         }
     return loss, metrics
 

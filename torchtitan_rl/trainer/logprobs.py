@@ -44,33 +44,60 @@ def _chunk_grad_logits(logits_CV: Tensor, targets_C: Tensor, grad_C: Tensor, tem
     return grad_CV.to(logits_CV.dtype)
 
 
+def _chunk_logprobs_entropy(logits_CV: Tensor, targets_C: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    """``_chunk_logprobs`` and the entropy -sum p log p of each row's tempered distribution, from one log-softmax."""
+    logprobs_CV = torch.log_softmax(logits_CV.float() / temperature, dim=-1)
+    entropy_C = -(logprobs_CV.exp() * logprobs_CV).sum(-1)
+    return logprobs_CV.gather(-1, targets_C[:, None]).squeeze(-1), entropy_C
+
+
+def _chunk_grad_logits_entropy(
+    logits_CV: Tensor, targets_C: Tensor, grad_C: Tensor, grad_entropy_C: Tensor, temperature: float
+) -> Tensor:
+    """``_chunk_grad_logits`` plus the entropy's: dH/dz = -p (log p + H), z = logits / T."""
+    logprobs_CV = torch.log_softmax(logits_CV.float() / temperature, dim=-1)
+    probs_CV = logprobs_CV.exp()
+    entropy_C1 = -(probs_CV * logprobs_CV).sum(-1, keepdim=True)
+    onehot_CV = torch.arange(logits_CV.shape[-1], device=logits_CV.device) == targets_C[:, None]
+    grad_CV = (onehot_CV.float() - probs_CV) * grad_C.float()[:, None]
+    grad_CV = grad_CV - probs_CV * (logprobs_CV + entropy_C1) * grad_entropy_C.float()[:, None]
+    return (grad_CV / temperature).to(logits_CV.dtype)
+
+
 @functools.cache
 def _kernels(compiled: bool):
+    fns = (_chunk_logprobs, _chunk_grad_logits, _chunk_logprobs_entropy, _chunk_grad_logits_entropy)
     if not compiled:
-        return _chunk_logprobs, _chunk_grad_logits
+        return fns
     # dynamic: the last chunk of a micro-batch is shorter; one graph for every length.
-    return (
-        torch.compile(_chunk_logprobs, dynamic=True),
-        torch.compile(_chunk_grad_logits, dynamic=True),
-    )
+    return tuple(torch.compile(fn, dynamic=True) for fn in fns)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile):
-        logprobs_fn, _ = _kernels(compile)
+    def forward(ctx, hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile, entropy):
+        """entropy: "off" (an empty second output), "metric" (computed, no gradient) or "grad"."""
+        logprobs_fn, _, both_fn, _ = _kernels(compile)
         out_N = hidden_ND.new_empty(hidden_ND.shape[0], dtype=torch.float32)
+        ent_N = hidden_ND.new_empty(hidden_ND.shape[0] if entropy != "off" else 0, dtype=torch.float32)
         for start in range(0, hidden_ND.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            out_N[rows] = logprobs_fn(F.linear(hidden_ND[rows], weight_VD), targets_N[rows], temperature)
+            logits_CV = F.linear(hidden_ND[rows], weight_VD)
+            if entropy == "off":
+                out_N[rows] = logprobs_fn(logits_CV, targets_N[rows], temperature)
+            else:
+                out_N[rows], ent_N[rows] = both_fn(logits_CV, targets_N[rows], temperature)
         ctx.save_for_backward(hidden_ND, weight_VD, targets_N)
-        ctx.temperature, ctx.chunk_tokens, ctx.compile = temperature, chunk_tokens, compile
-        return out_N
+        ctx.temperature, ctx.chunk_tokens, ctx.compile, ctx.entropy = temperature, chunk_tokens, compile, entropy
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent_N)
+        return out_N, ent_N
 
     @staticmethod
-    def backward(ctx, grad_N):
+    def backward(ctx, grad_N, grad_ent_N):
         hidden_ND, weight_VD, targets_N = ctx.saved_tensors
-        _, grad_fn = _kernels(ctx.compile)
+        _, grad_fn, _, grad_entropy_fn = _kernels(ctx.compile)
+        with_entropy = ctx.entropy == "grad" and grad_ent_N is not None
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden_ND) if want_hidden else None
         # fp32 accumulator: each chunk's bf16 product is rounded once, the sum over chunks is not.
@@ -78,14 +105,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, hidden_ND.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             h_CD = hidden_ND[rows]
-            g_CV = grad_fn(F.linear(h_CD, weight_VD), targets_N[rows], grad_N[rows], ctx.temperature)
+            if with_entropy:
+                g_CV = grad_entropy_fn(F.linear(h_CD, weight_VD), targets_N[rows], grad_N[rows], grad_ent_N[rows],
+                                       ctx.temperature)
+            else:
+                g_CV = grad_fn(F.linear(h_CD, weight_VD), targets_N[rows], grad_N[rows], ctx.temperature)
             if want_hidden:
                 grad_hidden[rows] = g_CV @ weight_VD
             if want_weight:
                 grad_weight += (g_CV.t() @ h_CD).float()
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight_VD.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_token_logprobs(
@@ -103,6 +134,26 @@ def chunked_token_logprobs(
     that predict the targets; weight_VD: the lm_head weight, in the compute
     dtype. Differentiable in both; memory for logits is one chunk's.
     """
+    return chunked_token_logprobs_and_entropy(
+        hidden_ND, weight_VD, targets_N, temperature=temperature, chunk_tokens=chunk_tokens, compile=compile,
+        entropy="off",
+    )[0]
+
+
+def chunked_token_logprobs_and_entropy(
+    hidden_ND: Tensor,
+    weight_VD: Tensor,
+    targets_N: Tensor,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    compile: bool = False,
+    entropy: str = "metric",
+) -> tuple[Tensor, Tensor]:
+    """``chunked_token_logprobs`` and float32 [N] entropies of the same tempered distributions, from
+    the same chunk of logits (no second pass). entropy "grad" makes them differentiable (an entropy
+    bonus); "metric" computes them without gradient; "off" returns an empty tensor."""
     assert chunk_tokens > 0, chunk_tokens
     assert hidden_ND.dim() == 2 and targets_N.shape == hidden_ND.shape[:1], (hidden_ND.shape, targets_N.shape)
-    return _ChunkedTokenLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile)
+    assert entropy in ("off", "metric", "grad"), entropy
+    return _ChunkedTokenLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile, entropy)

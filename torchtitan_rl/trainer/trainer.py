@@ -36,13 +36,17 @@ from torchtitan_rl.trainer.distributed import (
     set_determinism,
 )
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
-from torchtitan_rl.trainer.logprobs import chunked_token_logprobs
+from torchtitan_rl.trainer.logprobs import chunked_token_logprobs_and_entropy
 from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler, lr_factor
 from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
 from torchtitan.config import CompileConfig, TrainingConfig
 from torchtitan.config import ParallelismConfig as TitanParallelismConfig
 from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+
+_TOKEN_MEANS = ("clip_fraction", "clip_frac_low", "clip_frac_high", "kl", "approx_kl", "ratio_mean", "entropy")
+"""grpo_loss metrics that train_step reports as token-weighted means over ranks, micro- and mini-batches."""
 
 
 @dataclass
@@ -218,38 +222,59 @@ class Trainer:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-    def _logprobs(self, tokens_BL: torch.Tensor, temperature: float, score_BL: torch.Tensor | None) -> torch.Tensor:
-        """float32 [B, L] logprobs at the positions score_BL (CPU bool; None: all but column 0), 0 elsewhere."""
+    def _logprobs(
+        self, tokens_BL: torch.Tensor, temperature: float, score_BL: torch.Tensor | None, *, entropy: str = "off"
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """float32 [B, L] logprobs at the positions score_BL (CPU bool; None: all but column 0), 0 elsewhere.
+
+        entropy "metric" or "grad" (differentiable): also the float32 [B, L] entropy of the tempered
+        next-token distribution at the same positions, from the same logits (returns a pair).
+        """
         if score_BL is None:
             score_BL = _score_positions(tokens_BL, None)
         if self._chunk_tokens:
-            return self._chunked_logprobs(tokens_BL, temperature, score_BL)
+            return self._chunked_logprobs(tokens_BL, temperature, score_BL, entropy=entropy)
         logits_BLV = self.model(tokens_BL)
         if isinstance(logits_BLV, DTensor):  # tensor parallel: vocab-sharded logits
             logits_BLV = logits_BLV.full_tensor()
+        entropy_BL = None
         if self._sampler_logprobs:
             logprobs_BL = F.pad(sampler_token_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], temperature), (1, 0))
+            if entropy != "off":
+                with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                    entropy_BL = F.pad(_entropy(torch.log_softmax(logits_BLV[:, :-1].float() / temperature, -1)), (1, 0))
         else:
             # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
             logits_BLV = logits_BLV[:, :-1].float() / temperature
-            logprobs_BL = torch.log_softmax(logits_BLV, dim=-1)
-            logprobs_BL = logprobs_BL.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
+            logprobs_BLV = torch.log_softmax(logits_BLV, dim=-1)
+            if entropy != "off":
+                with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                    entropy_BL = F.pad(_entropy(logprobs_BLV), (1, 0))
+            logprobs_BL = logprobs_BLV.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
             logprobs_BL = F.pad(logprobs_BL, (1, 0))  # position 0 has no context to be predicted from
-        return torch.where(score_BL.to(self.device), logprobs_BL, 0.0)
+        score_BL = score_BL.to(self.device)
+        logprobs_BL = torch.where(score_BL, logprobs_BL, 0.0)
+        if entropy == "off":
+            return logprobs_BL
+        return logprobs_BL, torch.where(score_BL, entropy_BL, 0.0)
 
-    def _chunked_logprobs(self, tokens_BL: torch.Tensor, temperature: float, score_BL: torch.Tensor) -> torch.Tensor:
+    def _chunked_logprobs(
+        self, tokens_BL: torch.Tensor, temperature: float, score_BL: torch.Tensor, *, entropy: str = "off"
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hidden_BLD = self.model(tokens_BL)  # lm_head returns its input: the final normed hidden states
         weight_VD = self.model.lm_head.weight
         # After the forward FSDP holds the lm_head group unsharded (it is not resharded after
         # forward), so this is the compute-dtype weight whose gradient FSDP reduces.
         assert not isinstance(weight_VD, DTensor), "lm_head weight still sharded after the forward"
         b_N, t_N = (i.to(self.device) for i in score_BL.nonzero(as_tuple=True))
-        logprobs_N = chunked_token_logprobs(
+        logprobs_N, entropy_N = chunked_token_logprobs_and_entropy(
             hidden_BLD[b_N, t_N - 1], weight_VD, tokens_BL[b_N, t_N],
-            temperature=temperature, chunk_tokens=self._chunk_tokens, compile=self._compile,
+            temperature=temperature, chunk_tokens=self._chunk_tokens, compile=self._compile, entropy=entropy,
         )
         out_BL = hidden_BLD.new_zeros(tokens_BL.shape, dtype=torch.float32)
-        return out_BL.index_put((b_N, t_N), logprobs_N)
+        if entropy == "off":
+            return out_BL.index_put((b_N, t_N), logprobs_N)
+        return out_BL.index_put((b_N, t_N), logprobs_N), out_BL.index_put((b_N, t_N), entropy_N)
 
     def _micro_batches(self, score_BL: torch.Tensor, *, max_tokens: int) -> list[MicroBatch | None]:
         """This rank's micro-batches (trainer/micro_batches.py), padded with None to the most any rank has.
@@ -268,9 +293,16 @@ class Trainer:
     # ------------------------------------------------------------------- train
 
     def train_step(
-        self, batch: TrainBatch, *, temperature: float, grpo: GRPOConfig
+        self, batch: TrainBatch, *, temperature: float, grpo: GRPOConfig, max_tokens: int = 0
     ) -> dict[str, float]:
-        """One optimizer step on the global batch (every rank passes its own shard)."""
+        """One GRPO step on the global batch (every rank passes its own shard): grpo.epochs passes of
+        grpo.mini_batches optimizer steps each, all against the batch's pi_old (batch.old_logprobs_BL);
+        the lr schedule and ``self.step`` advance once, so checkpoints fall on batch boundaries.
+
+        max_tokens: the completion-length limit, grpo.loss_aggregation seq_mean_token_sum_norm's constant.
+        Returns metrics over every optimizer step of the batch: token-weighted means, ratio_max the
+        largest, loss and grad_norm the mean per optimizer step.
+        """
         _check_temperature(temperature)
         if grpo.kl_coef > 0 and batch.ref_logprobs_BL is None:
             raise ValueError("grpo.kl_coef: > 0 needs TrainBatch.ref_logprobs_BL")
@@ -283,37 +315,74 @@ class Trainer:
         ref_BL = ref_BL.to(self.device) if ref_BL is not None else None
         is_BL = batch.is_weights_BL.to(self.device) if batch.is_weights_BL is not None else None
         assert not mask_BL[:, 0].any(), "loss_mask_BL[:, 0] must be 0: position 0 has no logprob"
-
-        # One normaliser for the global batch: summed over micro-batches and
-        # ranks, the per-micro-batch losses and gradients are the full-batch ones.
-        num_tokens = int(self._dp_sum(mask_BL.sum(dtype=torch.float64).reshape(1)).item())
-        if num_tokens == 0:
+        if self._dp_sum(mask_BL.sum(dtype=torch.float64).reshape(1)).item() == 0:
             raise ValueError("train_step: the batch has no scored tokens (loss_mask_BL is all 0)")
 
+        whole = [torch.arange(tokens_BL.shape[0])]  # one mini-batch: the tensors as they are, no copies
+        parts = whole if grpo.mini_batches == 1 else list(torch.arange(tokens_BL.shape[0]).tensor_split(grpo.mini_batches))
+        sums: dict[str, float] = {}
+        ratio_max, grad_norms, lr = 0.0, [], self.optimizer.param_groups[0]["lr"]
         with deterministic_algorithms():
-            self.optimizer.zero_grad(set_to_none=True)
-            totals = self._accumulate_gradients(
-                tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
-                mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
-            )
-            grad_norm = self._clip_grad_norm()
-            lr = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.step()
+            for _ in range(grpo.epochs):
+                for rows in parts:
+                    def take(x):
+                        return x if parts is whole or x is None else x[rows.to(x.device)]
+
+                    mb_sums, mb_ratio_max, grad_norm = self._optimizer_step(
+                        take(tokens_BL), take(mask_BL), take(old_BL), take(adv_B), take(ref_BL), take(is_BL),
+                        mask_cpu_BL=take(mask_cpu_BL), temperature=temperature, grpo=grpo, max_tokens=max_tokens,
+                    )
+                    if grad_norm is None:  # no scored token on any rank: no step
+                        continue
+                    grad_norms.append(grad_norm)
+                    ratio_max = max(ratio_max, mb_ratio_max)
+                    for key, value in mb_sums.items():
+                        sums[key] = sums.get(key, 0.0) + value
             self.scheduler.step()
         self.step += 1
 
-        loss, tokens, clip_sum, kl_sum, ratio_sum = self._dp_sum(
-            torch.tensor(totals, dtype=torch.float64, device=self.device)
-        ).tolist()
-        return {
-            "loss": loss,
-            "grad_norm": grad_norm,
+        tokens = sums["tokens"]
+        metrics = {
+            "loss": sums["loss"] / len(grad_norms),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
             "lr": lr,
-            "clip_fraction": clip_sum / tokens,
-            "kl": kl_sum / tokens,
-            "ratio_mean": ratio_sum / tokens,
-            "tokens": tokens,
+            **{key: sums[key] / tokens for key in _TOKEN_MEANS},
+            "ratio_max": ratio_max,
+            "tokens": tokens / len(grad_norms),
+            "optimizer_steps": float(len(grad_norms)),
         }
+        return metrics
+
+    def _optimizer_step(
+        self, tokens_BL, mask_BL, old_BL, adv_B, ref_BL, is_BL, *, mask_cpu_BL: torch.Tensor, temperature: float,
+        grpo: GRPOConfig, max_tokens: int,
+    ) -> tuple[dict[str, float], float, float | None]:
+        """Accumulate the gradient of one mini-batch over all ranks and step the optimizer once.
+
+        Returns the data-parallel sums of the loss and of the token-weighted metrics, the largest
+        ratio, and the gradient norm (None, and no step, when no rank has a scored token).
+        """
+        # One normaliser for the global mini-batch: summed over micro-batches and ranks, the
+        # per-micro-batch losses and gradients are the full mini-batch ones.
+        counts = self._dp_sum(torch.stack([
+            mask_BL.sum(dtype=torch.float64), (mask_BL.sum(dim=1) > 0).sum().to(torch.float64)
+        ]))
+        num_tokens, num_sequences = (int(c) for c in counts.tolist())
+        if num_tokens == 0:
+            return {}, 0.0, None
+        self.optimizer.zero_grad(set_to_none=True)
+        totals, ratio_max = self._accumulate_gradients(
+            tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
+            mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
+            num_sequences=num_sequences, max_tokens=max_tokens,
+        )
+        grad_norm = self._clip_grad_norm()
+        self.optimizer.step()
+        reduced = self._dp_sum(torch.tensor(totals, dtype=torch.float64, device=self.device)).tolist()
+        peak = torch.tensor([ratio_max], dtype=torch.float64, device=self.device)
+        if self._dp_group is not None:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group)
+        return dict(zip(("loss", "tokens", *_TOKEN_MEANS), reduced)), peak.item(), grad_norm
 
     def _accumulate_gradients(
         self,
@@ -328,20 +397,27 @@ class Trainer:
         grpo: GRPOConfig,
         num_tokens: int,
         is_BL: torch.Tensor | None = None,
-    ) -> list[float]:
-        """Forward/backward per micro-batch; returns this rank's metric sums.
+        num_sequences: int | None = None,
+        max_tokens: int = 0,
+    ) -> tuple[list[float], float]:
+        """Forward/backward per micro-batch; returns this rank's metric sums and its largest ratio.
 
-        The sums: loss, tokens, and token-weighted clip_fraction, kl, ratio_mean.
+        The sums: loss, tokens, and the token-weighted _TOKEN_MEANS.
         """
-        totals = [0.0] * 5
+        totals = [0.0] * (2 + len(_TOKEN_MEANS))
+        ratio_max = 0.0
+        entropy = "grad" if grpo.entropy_coef else "metric"
         for mb in self._micro_batches(mask_cpu_BL, max_tokens=self.config.micro_batch_tokens):
             if mb is None:
                 # Another rank has more micro-batches: join its collectives, add nothing.
                 (self._logprobs(_dummy_tokens(tokens_BL), temperature, None).sum() * 0.0).backward()
                 continue
             rows, cols = mb.rows.to(self.device), slice(0, mb.length)
+            logprobs_BL, entropy_BL = self._logprobs(
+                tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
+            )
             loss, m = grpo_loss(
-                self._logprobs(tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool()),
+                logprobs_BL,
                 old_BL[rows, cols],
                 adv_B[rows],
                 mask_BL[rows, cols],
@@ -351,12 +427,19 @@ class Trainer:
                 kl_coef=grpo.kl_coef,
                 num_tokens=num_tokens,
                 is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
+                aggregation=grpo.loss_aggregation,
+                num_sequences=num_sequences,
+                max_tokens=max_tokens or None,
+                ratio_level=grpo.ratio_level,
+                entropy_BT=entropy_BL,
+                entropy_coef=grpo.entropy_coef,
             )
             loss.backward()
             n = m["tokens"]
-            sums = (m["loss"], n, m["clip_fraction"] * n, m["kl"] * n, m["ratio_mean"] * n)
+            sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS))
             totals = [t + v for t, v in zip(totals, sums)]
-        return totals
+            ratio_max = max(ratio_max, m["ratio_max"])
+        return totals, ratio_max
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel ranks (tensor-parallel peers hold the same data)."""
@@ -475,6 +558,19 @@ def _score_positions(tokens_BL: torch.Tensor, mask_BL: torch.Tensor | None) -> t
     score_BL = torch.ones(tokens_BL.shape, dtype=torch.bool)
     score_BL[:, 0] = False
     return score_BL
+
+
+def _entropy(logprobs_BLV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """[B, L]: -sum_v p log p of each position's distribution, from its log-probabilities. Without
+    autograd, ``chunk`` positions at a time: a metric must not add whole-logits buffers to the peak."""
+    if torch.is_grad_enabled():
+        return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
+    flat_NV = logprobs_BLV.reshape(-1, logprobs_BLV.shape[-1])
+    out_N = flat_NV.new_empty(flat_NV.shape[0])
+    for start in range(0, flat_NV.shape[0], chunk):
+        part_CV = flat_NV[start : start + chunk]
+        out_N[start : start + chunk] = -(part_CV.exp() * part_CV).sum(-1)
+    return out_N.view(logprobs_BLV.shape[:-1])
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ set is the first ``heldout_size`` such problems drawn with a fixed seed
 draws from the run's prompt RNG and skips every held-out-side problem.
 """
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -144,12 +145,14 @@ class MathTask(ChatTask):
     def __init__(self, config: TaskConfig, *, tokenizer_dir: str, field: str = "task.tokenizer", **kwargs) -> None:
         super().__init__(config, tokenizer_dir=tokenizer_dir, field=field, **kwargs)
         self.levels = tuple(config.levels)  # a repeated level is drawn more often
-        self._heldout = [self.make_prompt(p.text, str(p.answer))
-                         for p in heldout_problems(self.levels, config.heldout_size)]
+        self._heldout = [self._prompt(p) for p in heldout_problems(self.levels, config.heldout_size)]
 
     def sample_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
         problems = [train_problem(self.levels, generator) for _ in range(n)]
-        return [self.make_prompt(p.text, str(p.answer)) for p in problems]
+        return [self._prompt(p) for p in problems]
+
+    def _prompt(self, problem: Problem) -> Prompt:
+        return dataclasses.replace(self.make_prompt(problem.text, str(problem.answer)), level=problem.level)
 
     def heldout_prompts(self) -> list[Prompt]:
         return list(self._heldout)

@@ -23,6 +23,8 @@ class Prompt:
     """Human-readable form of token_ids, for logs."""
     target: Any
     """Task-specific ground truth the reward compares against."""
+    level: int | None = None
+    """Difficulty level, where the task has levels (math): rewards are also reported per level."""
 
 
 class Task(ABC):
