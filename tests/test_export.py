@@ -101,7 +101,7 @@ def test_non_empty_target_is_refused(tiny_hf_checkpoint, tmp_path):
 
 def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     """python -m torchtitan_rl.export --run-dir: the same folder as exporting the live trainer (bf16)."""
-    from torchtitan_rl.simple_grpo import run_shape, run_task
+    from torchtitan_rl.job import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     folder = tiny_hf_checkpoint("llama")
@@ -163,7 +163,7 @@ def test_export_skips_a_damaged_checkpoint_and_writes_readable_files(tmp_path, c
     import stat
 
     from torchtitan_rl.export import export_checkpoint
-    from torchtitan_rl.simple_grpo import run_shape, run_task
+    from torchtitan_rl.job import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     run_dir = tmp_path / "run"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.folders import complete_or_absent
+from torchtitan_rl.job import run_shape, run_task
 from torchtitan_rl.models.families import to_hf
 from torchtitan_rl.models.lora import merged_state
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
@@ -141,7 +142,6 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
     from torchtitan_rl.models.lora import apply_lora
     from torchtitan_rl.models.shape import build_titan_model
     from torchtitan_rl.runs import run_to_resume
-    from torchtitan_rl.simple_grpo import run_shape, run_task
     from torchtitan_rl.trainer import checkpoint
 
     check_target(out)

@@ -29,7 +29,7 @@ def serve(cfg) -> None:
     from torchtitan_rl.generator.engine_loop import EngineLoop
     from torchtitan_rl.generator.generator import Generator
     from torchtitan_rl.generator.server import RolloutServer, SyncSessions, sync_port, tokenizer_folder
-    from torchtitan_rl.simple_grpo import run_device, run_shape, run_task
+    from torchtitan_rl.job import run_device, run_shape, run_task
     from transformers import AutoTokenizer
 
     workdir = Path(cfg.job.output_dir)
