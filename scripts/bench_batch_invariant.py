@@ -27,7 +27,7 @@ def measure(cfg, *, repeats: int, out_dir: Path, profile: bool = False) -> dict:
 
     import torch
 
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import pack_rollouts
     from torchtitan_rl.job import run_device, run_shape, run_task

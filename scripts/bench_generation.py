@@ -41,7 +41,7 @@ def worker(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="bench_gen_"))
     t = time.perf_counter()
     if args.worker_engine == "ours":
-        from torchtitan_rl.generator.generator import Generator
+        from torchtitan_rl.engine.generator import Generator
         from torchtitan_rl.weight_sync import WeightSync
 
         gen = Generator(

@@ -293,7 +293,7 @@ def trainer_vllm(world, flavor: str, args, res: dict) -> None:
 
 
 def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
 
     ch = Channel(world, flavor)
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny" else 0,

@@ -80,7 +80,7 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
 
 
 def generator_flavor(world, flavor: str, args, workdir: Path) -> None:
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
 
     with compat.vllm_device(world.device):
         gen = Generator(

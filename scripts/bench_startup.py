@@ -32,7 +32,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
 
     from torchtitan_rl import compat
     from torchtitan_rl.config import ModelConfig, SamplingConfig, WeightSyncConfig, parse_args
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.models.families import resolve_shape, to_hf
     from torchtitan_rl.models.shape import build_titan_model
 

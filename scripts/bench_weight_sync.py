@@ -37,7 +37,7 @@ from bench_common import median_seconds, synchronize, table, write_section  # no
 
 from torchtitan_rl import compat  # noqa: E402
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
-from torchtitan_rl.generator.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.generator import Generator  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape, to_hf  # noqa: E402
 from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
 from torchtitan_rl.weight_sync import WeightSync  # noqa: E402

@@ -3,11 +3,11 @@
 Each step: sync -> generate -> score -> advantages -> recompute logprobs ->
 loss + optimizer step -> log. Every rank runs this file (torchrun for more
 than one). Where the vLLM generator runs is weight_sync.transport:
-"inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
-the last torchrun rank(s), each its own device (generator/remote.py; R
+"inplace", in trainer rank 0's process (rollout/colocated.py); "nccl", on
+the last torchrun rank(s), each its own device (rollout/remote.py; R
 replicas split each batch), the other ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
-HTTP (generator/server_client.py). The step body is the same for all three
-(generator/base.py is all it knows of them). With grpo.max_staleness = S > 0
+HTTP (rollout/server_client.py). The step body is the same for all three
+(rollout/base.py is all it knows of them). With grpo.max_staleness = S > 0
 the rollouts of step k are requested S steps early, right after that step's
 sync, so the generator samples them while the trainer learns; each batch is
 then up to S weight versions old. Heavy imports stay inside ``run`` so that
@@ -60,10 +60,10 @@ def run(cfg: JobConfig) -> list[dict]:
     from tqdm import tqdm
 
     from torchtitan_rl.config import validate
-    from torchtitan_rl.generator.base import Done, RolloutGenerator
-    from torchtitan_rl.generator.colocated import ColocatedGenerator
-    from torchtitan_rl.generator.remote import RemoteGenerator, serve
-    from torchtitan_rl.generator.server_client import ServerGenerator
+    from torchtitan_rl.rollout.base import Done, RolloutGenerator
+    from torchtitan_rl.rollout.colocated import ColocatedGenerator
+    from torchtitan_rl.rollout.remote import RemoteGenerator, serve
+    from torchtitan_rl.rollout.server_client import ServerGenerator
     from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.grpo.loss import importance_weights

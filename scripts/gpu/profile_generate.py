@@ -32,7 +32,7 @@ def worker(setting: str, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
     from torchtitan_rl.weight_sync import WeightSync

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tests.helpers import PROMPTS, make_generator, tiny_shape
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
-from torchtitan_rl.generator.generator import Rollouts
+from torchtitan_rl.rollout.base import Rollouts
 from torchtitan_rl.grpo.batch import pack_rollouts
 from torchtitan_rl.trainer import Trainer
 from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, init_world

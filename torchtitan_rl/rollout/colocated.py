@@ -10,7 +10,7 @@ not depend on the number of ranks), and one all-gather gives every rank the
 whole batch. With "first" only rank 0 holds an engine and broadcasts its
 rollouts (less memory on the other ranks, T - 1 devices idle while it
 generates). The loop (simple_grpo.py) sees the interface of
-generator/base.py, as for a generator on its own rank (remote.py).
+rollout/base.py, as for a generator on its own rank (remote.py).
 
 One process and one device do one thing at a time here, so ``submit``
 generates at once, with the weights of that moment: with grpo.max_staleness
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.generator.base import Done
-from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
+from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.rollout.base import Done, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import WeightSync
 

@@ -55,34 +55,15 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
-from torchtitan_rl.generator.engine_loop import EngineLoop, Sample
-from torchtitan_rl.generator.generator import WeightsNotSyncedError, sample_seed, sampling_params
-from torchtitan_rl.generator.openai_api import ChatRequest, CompletionRequest, HttpError, parse
+from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
+from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
+from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
+from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
 from torchtitan_rl.weight_sync.nccl import NcclReceiver, World, pair_group
 from torchtitan_rl.weight_sync.signed_store import SignedStore
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
-SESSION_PREFIX = "torchtitan_rl/serve"
-"""Store prefix of a sync session's keys (+ /<session id>)."""
-ENDED = "ended"
-"""Session key: the server's signed notice that a newer trainer replaced this session's."""
-
-
-def connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to ``host``."""
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host
-
-
-def sync_port(cfg: JobConfig) -> int:
-    return cfg.serve.sync_port or cfg.serve.port + 1
-
-
-def session_store(store: dist.Store, session: str, *, secret: str) -> SignedStore:
-    """A session's signed message store (both sides): keys under its prefix, signed for this session only."""
-    return SignedStore(dist.PrefixStore(f"{SESSION_PREFIX}/{session}", store), secret=secret, session=session)
-
-
 class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 

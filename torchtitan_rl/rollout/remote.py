@@ -42,8 +42,8 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.generator.base import Later
-from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
+from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.rollout.base import Later, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
 from torchtitan_rl.weight_sync.nccl import store_value

@@ -6,7 +6,7 @@ import torch
 from tests.helpers import PROMPTS
 from tests.models.test_families import LLAMA3_ROPE, _with_config
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, WeightSyncConfig
-from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.engine.generator import Generator
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import build_titan_model

@@ -1,4 +1,4 @@
-"""A trainer that dies in the middle of a sync (tests/generator/test_server.py).
+"""A trainer that dies in the middle of a sync (tests/serving/test_server.py).
 
 python server_trainer_worker.py PORT SYNC_PORT TOKEN API_KEY DIE_AFTER [stop]: connects to
 the rollout server, syncs version 30 in full, then starts syncing version 31
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers import native_state, trainer_model  # noqa: E402
 from torchtitan_rl.config import load_toml  # noqa: E402
-from torchtitan_rl.generator.server_client import ServerGenerator  # noqa: E402
+from torchtitan_rl.rollout.server_client import ServerGenerator  # noqa: E402
 from torchtitan_rl.trainer.distributed import init_process_group  # noqa: E402
 from torchtitan_rl.weight_sync import nccl  # noqa: E402
 
