@@ -17,7 +17,7 @@ from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, Train
 from torchtitan_rl.engine.generator import Generator  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.trainer import Trainer  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 
 def one_mode(flavor: str, lora: LoRAConfig, *, device: str, repeats: int, workdir: Path) -> dict:

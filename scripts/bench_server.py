@@ -36,8 +36,8 @@ from torchtitan_rl.config import LoRAConfig, SamplingConfig, TrainerConfig, Weig
 from torchtitan_rl.engine.generator import Generator  # noqa: E402
 from torchtitan_rl.rollout.server_client import ServerClient, ServerGenerator  # noqa: E402
 from torchtitan_rl.grpo.tasks.digits import DigitsTask  # noqa: E402
-from torchtitan_rl.trainer.distributed import init_process_group  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.distributed.process_group import init_process_group  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 TOKEN = "bench"
 EOS = 2

@@ -28,7 +28,7 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     from torchtitan_rl.grpo.batch import pack_rollouts
     from torchtitan_rl.job import run_device, run_shape, run_task
     from torchtitan_rl.trainer import Trainer
-    from torchtitan_rl.weight_sync import WeightSync
+    from torchtitan_rl.weight_sync.sync import WeightSync
 
     task = run_task(cfg)
     device = run_device(cfg.job.device)

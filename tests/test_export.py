@@ -11,6 +11,7 @@ from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_t
 from tests.trainer.helpers import make_batch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GRPOConfig, JobConfig, LoRAConfig, write_toml
+from torchtitan_rl.engine.generator import build_engine
 from torchtitan_rl.export import export_hf
 
 FAMILIES = ["qwen3", "llama"]
@@ -27,7 +28,7 @@ def vllm_native_prompt_logprobs(folder, tokens_BL: torch.Tensor) -> tuple[torch.
     """vLLM's own model class for the folder's architecture (load_format=auto, fp32, CPU): prompt logprobs."""
     from vllm import SamplingParams
 
-    engine = compat.build_llm_engine(
+    engine = build_engine(
         model=str(folder), load_format="auto", dtype="float32", max_model_len=64, max_num_seqs=8,
         enforce_eager=True, tensor_parallel_size=1, seed=0, device="cpu", gpu_memory_utilization=0.1,
         kv_cache_memory_bytes=64 << 20, batch_invariant=False,

@@ -73,9 +73,9 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.runs import agree
     from torchtitan_rl.trainer import Trainer
-    from torchtitan_rl.trainer.distributed import init_process_group
+    from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.trainer.trainer import TrainBatch
-    from torchtitan_rl.weight_sync import init_world
+    from torchtitan_rl.distributed.world import init_world
 
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads

@@ -31,7 +31,7 @@ from torchtitan_rl.grpo import build_task  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.trainer import Trainer  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 
 def compare(trainer, rollouts, pad_id: int) -> dict:

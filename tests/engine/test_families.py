@@ -11,7 +11,7 @@ from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 FAMILIES = ["qwen3", "llama"]
 

@@ -12,7 +12,7 @@ from tests.helpers import PROMPTS, assert_serves, make_generator, native_state, 
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.engine.generator import WeightsNotSyncedError
 from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 @pytest.fixture(scope="module")

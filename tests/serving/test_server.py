@@ -28,7 +28,7 @@ import torch
 
 from tests.helpers import PROMPTS, REPO, assert_serves, free_port, make_generator, native_state, trainer_model
 from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, load_toml
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 TOKEN = "test-secret"
@@ -124,7 +124,7 @@ def _complete(cfg, prompt=PROMPTS[0], *, timeout: float = 120, **fields):
 def _connect(cfg):
     """A trainer connection from this process (a new session replaces the previous one)."""
     from torchtitan_rl.rollout.server_client import ServerGenerator
-    from torchtitan_rl.trainer.distributed import init_process_group
+    from torchtitan_rl.distributed.process_group import init_process_group
 
     init_process_group(torch.device("cpu"))  # the sender's collectives run on a one-rank trainer world
     return ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))

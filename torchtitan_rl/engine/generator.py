@@ -11,7 +11,6 @@ import gc
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,12 +18,18 @@ import torch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH
+from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH, register
 from torchtitan_rl.rollout.base import Done, Rollouts
 
 
 class WeightsNotSyncedError(RuntimeError):
     pass
+
+
+def build_engine(**engine_kwargs):
+    """compat.build_llm_engine with our model class registered in vLLM first (its arguments)."""
+    register()
+    return compat.build_llm_engine(**engine_kwargs)
 
 
 def _unmerged_lora(lora: LoRAConfig) -> dict | None:
@@ -115,7 +120,7 @@ class Generator:
             model_dir = Path(workdir) / "generator_model"
             model_dir.mkdir(parents=True, exist_ok=True)
             (model_dir / "config.json").write_text(json.dumps(shape.to_hf_config(), indent=1))
-        self.engine = compat.build_llm_engine(
+        self.engine = build_engine(
             model=str(model_dir),
             load_format=config.load_format,
             hf_overrides={

@@ -28,7 +28,7 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.engine.generator import Generator
 from torchtitan_rl.rollout.base import Done, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 class ColocatedGenerator:

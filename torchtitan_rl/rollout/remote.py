@@ -45,8 +45,10 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.engine.generator import Generator
 from torchtitan_rl.rollout.base import Later, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
-from torchtitan_rl.weight_sync.nccl import store_value
+from torchtitan_rl.distributed.world import World
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
+from torchtitan_rl.weight_sync.nccl_sender import NcclSender
+from torchtitan_rl.weight_sync.store import store_value
 
 _PREFIX = "torchtitan_rl/generator"
 _POLL_S = 1.0

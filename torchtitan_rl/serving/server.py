@@ -55,11 +55,13 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
+from torchtitan_rl.config.loader import tokenizer_dir
 from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
 from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
 from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
-from torchtitan_rl.weight_sync.nccl import NcclReceiver, World, pair_group
+from torchtitan_rl.distributed.world import World, pair_group
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
 from torchtitan_rl.weight_sync.signed_store import SignedStore
 
 _POLL_S = 0.01
@@ -454,7 +456,6 @@ def _finite(logprob: float) -> float:
 def tokenizer_folder(cfg: JobConfig, task, workdir: Path) -> str:
     """An HF tokenizer folder for the engine and the chat template: the run's, or the task's own tokenizer
     (digits: a ``tokenizers.Tokenizer``) written out as one."""
-    from torchtitan_rl.config.loader import tokenizer_dir
 
     if tokenizer_dir(cfg):
         return tokenizer_dir(cfg)
