@@ -3,7 +3,7 @@
 Run under torchrun with 2 processes: rank 0 is the trainer (torchtitan_rl's
 Trainer: FSDP2 over its own one-rank default group, fp32 master weights) on
 cuda:0, rank 1 the generator (torchtitan's Qwen3 inside vLLM, in process) on
-cuda:1; weight_sync/nccl.py's init_world sets that up. Per model shape
+cuda:1; distributed/world.py's init_world sets that up. Per model shape
 (random weights):
 
 1. correctness on this layout: sync, sample, score the same tokens with the

@@ -3,7 +3,7 @@
 One launch measures one R: torchrun with 1 + R processes, rank 0 the trainer
 (torchtitan_rl's Trainer on one rank, fp32 masters), ranks 1..R one generator
 replica each (torchtitan's Qwen3 in vLLM, in process, dummy weights), joined by
-weight_sync/nccl.py's ``init_world(replicas=R)``. Per model shape:
+distributed/world.py's ``init_world(replicas=R)``. Per model shape:
 
 1. ours: NcclSender.sync -> every replica's NcclReceiver.receive (names/shapes
    check, header, flat bf16 buckets broadcast to the group, the NaN/inf

@@ -2,7 +2,7 @@
 
 torchrun starts T + R processes: ranks 0..T-1 train (FSDP over them, their
 default process group excludes the rest), the last R ranks each hold one
-generator replica on its own device (weight_sync/nccl.py's ``init_world``;
+generator replica on its own device (distributed/world.py's ``init_world``;
 R = generator.parallelism.data_parallel_replicate_degree). Trainer rank 0
 drives; each replica answers its own mailbox in order:
 

@@ -25,7 +25,7 @@ disconnects has its samples aborted in the engine.
 Weights: a trainer connects (``/control/connect``), gets a random session id
 and the port of the server's TCP store (``serve.sync_port``), and the two
 sides build the own-rank layout's two-rank group on it: the trainer's
-NcclSender, the server's NcclReceiver (weight_sync/nccl.py: sync plan and
+NcclSender, the server's NcclReceiver (weight_sync/nccl_sender.py, nccl_receiver.py: sync plan and
 coverage proof at connect, validation before any write, buckets, checksums,
 version published last; after a LoRA run's first full sync only the adapter
 moves, one flat bucket). A session thread applies each sync between the
