@@ -86,7 +86,7 @@ def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0
     # group of its own, which vLLM then reuses. Left to vLLM, its one-rank
     # init_process_group("tcp://...") would, under torchrun
     # (TORCHELASTIC_USE_AGENT_STORE=1), connect as a client to a store nobody
-    # serves and wait until its timeout (seen on 2 H200s).
+    # serves and wait until its timeout.
     group_rank, group_size = (rank, trainers) if role == "trainer" else (0, 1)
     prefix = f"{STORE_PREFIX}/trainer" if role == "trainer" else f"{STORE_PREFIX}/generator/{replica}"
     dist.init_process_group(
@@ -108,7 +108,7 @@ def broadcast_group(store: dist.Store, *, rank: int, size: int, device: torch.de
     created before the generators' vLLM engines where possible: vLLM's
     batch-invariant mode sets NCCL_PROTO=Simple, one channel, etc. in its
     process, and a communicator created after that would not match the
-    trainer's (seen on 2 H200s: the first sync hung after two buckets).
+    trainer's (the first sync hangs).
     ``timeout_s`` bounds each collective: on gloo a peer that died mid-sync
     raises at once (its socket closes); on NCCL nothing notices before the
     timeout, and torch's NCCL watchdog then ends the process (nothing waits

@@ -43,11 +43,9 @@ def _unmerged_lora(lora: LoRAConfig) -> dict | None:
 def _cycle_collector_paused():
     """Python's cycle collector off for a generate, back on (if it was) after.
 
-    vLLM keeps a Logprob object per sampled token until its request ends (~130k
-    for 64 x 8 x 256 tokens), which set the collector off about 9 times a
-    generate, each full pass walking every live object: 0.6-1.5 s of a 5-8 s
-    generate on an H100 (scripts/gpu/gen_drift.py), the more once the trainer's
-    torch.compile has added its graphs. Refcounting still frees everything
+    vLLM keeps a Logprob object per sampled token until its request ends, and the
+    collector's full passes over them cost a sizeable part of a generate
+    (docs/design.md, "Why the code looks this way"). Refcounting still frees everything
     acyclic at once; cycles made meanwhile wait for the next collection.
     """
     enabled = gc.isenabled()

@@ -40,8 +40,8 @@ class ColocatedGenerator:
         rank = dist.get_rank()
         self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
         if device.type == "cuda" and dist.get_world_size() > 1 and not self.every_rank:
-            # Seen on 2 H100s: the engine start never returned. Likely cause: torch splits vLLM's new NCCL groups
-            # off the trainer's eagerly initialised group, a collective that the ranks without an engine never join.
+            # vLLM's group setup is a collective the ranks without an engine never join (docs/design.md, "Why the code
+            # looks this way").
             raise ValueError(
                 "generator.colocated_ranks: 'first' hangs rank 0's vLLM engine at start when other trainer ranks "
                 "hold no engine on CUDA; use 'all' (every rank generates), or weight_sync.transport nccl"

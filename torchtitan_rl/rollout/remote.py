@@ -16,8 +16,8 @@ drives; each replica answers its own mailbox in order:
 A request's prompts are split over the replicas in contiguous blocks
 (``prompt_blocks``); each replica seeds its samples by their global prompt
 index (``first_prompt``), and the blocks' rollouts are concatenated in
-replica order, so a batch is the same whatever R (bit for bit on CPU, as
-measured; elsewhere up to the float rounding of other batch shapes, none in
+replica order, so a batch is the same whatever R (bit for bit on CPU;
+elsewhere up to the float rounding of other batch shapes, none in
 batch-invariant mode).
 
 Messages and rollouts go through the job's store, one key each, deleted by
