@@ -11,12 +11,7 @@ A failed check marks the generator unservable (``abort_sync``) rather than
 serving mixed weights; a failure before the first write (a trainer that died
 while the lead buckets were in flight) leaves the previous version published.
 
-Ordering on CUDA: the broadcasts run on the process group's NCCL stream, the
-packing/unpacking on the current stream. Each broadcast waits (an event the
-process group records) for what the current stream has queued before it;
-``work.wait()`` makes the current stream wait for a broadcast before the
-buffer it used is packed (trainer) or read (generator) again. No host sync
-inside the loop.
+Ordering on CUDA: see nccl_sender.py.
 """
 
 import json
