@@ -3,11 +3,11 @@
 Each step: sync -> generate -> score -> advantages -> recompute logprobs ->
 loss + optimizer step -> log. Every rank runs this file (torchrun for more
 than one). Where the vLLM generator runs is weight_sync.transport:
-"inplace", in trainer rank 0's process (rollout/colocated.py); "nccl", on
-the last torchrun rank(s), each its own device (rollout/remote.py; R
+"inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
+the last torchrun rank(s), each its own device (generator/remote.py; R
 replicas split each batch), the other ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
-HTTP (rollout/server_client.py). The step body is the same for all three
-(rollout/base.py is all it knows of them). With grpo.max_staleness = S > 0
+HTTP (generator/server_client.py). The step body is the same for all three
+(generator/base.py is all it knows of them). With grpo.max_staleness = S > 0
 the rollouts of step k are requested S steps early, right after that step's
 sync, so the generator samples them while the trainer learns; each batch is
 then up to S weight versions old. Heavy imports stay inside ``run`` so that
