@@ -28,6 +28,7 @@ def worker(args) -> dict:
 
     from torchtitan_rl import compat
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
+    from torchtitan_rl.engine.generator import build_engine
     from torchtitan_rl.models.families import resolve_shape, to_hf
     from torchtitan_rl.models.shape import build_titan_model
 
@@ -41,8 +42,8 @@ def worker(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="bench_gen_"))
     t = time.perf_counter()
     if args.worker_engine == "ours":
-        from torchtitan_rl.generator.generator import Generator
-        from torchtitan_rl.weight_sync import WeightSync
+        from torchtitan_rl.engine.generator import Generator
+        from torchtitan_rl.weight_sync.sync import WeightSync
 
         gen = Generator(
             GeneratorConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -62,7 +63,7 @@ def worker(args) -> dict:
         (workdir / "config.json").write_text(
             json.dumps(shape.to_hf_config())
         )
-        engine = compat.build_llm_engine(
+        engine = build_engine(
             model=str(workdir), load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, enforce_eager=eager, tensor_parallel_size=1, seed=0,
             device=dev, gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=1 << 30,

@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_seconds, table, write_section  # noqa: E402
 
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig, WeightSyncConfig  # noqa: E402
-from torchtitan_rl.generator.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.generator import Generator  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.trainer import Trainer  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 
 def one_mode(flavor: str, lora: LoRAConfig, *, device: str, repeats: int, workdir: Path) -> dict:

@@ -3,7 +3,7 @@
 Run under torchrun with 2 processes: rank 0 is the trainer (torchtitan_rl's
 Trainer: FSDP2 over its own one-rank default group, fp32 master weights) on
 cuda:0, rank 1 the generator (torchtitan's Qwen3 inside vLLM, in process) on
-cuda:1; weight_sync/nccl.py's init_world sets that up. Per model shape
+cuda:1; distributed/world.py's init_world sets that up. Per model shape
 (random weights):
 
 1. correctness on this layout: sync, sample, score the same tokens with the
@@ -53,9 +53,10 @@ from torchtitan_rl.config.job_config import TrainerConfig  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
-from torchtitan_rl.weight_sync.nccl import (  # noqa: E402
-    NcclReceiver, NcclSender, _broadcast, _get, init_world,
-)
+from torchtitan_rl.distributed.world import broadcast, init_world  # noqa: E402
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver  # noqa: E402
+from torchtitan_rl.weight_sync.nccl_sender import NcclSender  # noqa: E402
+from torchtitan_rl.weight_sync.store import get_text  # noqa: E402
 
 RAY_STUB = Path(__file__).resolve().parent / "gpu" / "stubs"
 """vLLM 0.26's weight_transfer package may import ray; the GPU image has none."""
@@ -74,7 +75,7 @@ class Channel:
         self.store.set(key, json.dumps(value))
 
     def get(self, key: str, timeout_s: float | None = None):
-        value = _get(self.store, key, timeout_s)
+        value = get_text(self.store, key, timeout_s)
         return None if value is None else json.loads(value)
 
 
@@ -227,18 +228,18 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
         synchronize(device.type)
         t = time.perf_counter()
         ch.put(f"raw/h/{i}", i)
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
         ch.get(f"raw/a/{i}")
         times.append(time.perf_counter() - t)
     res["times"][RAW] = median(times[args.warmup:])
     ch.put("wire/go", 1)
     for _ in range(2):  # warm-up
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
     synchronize(device.type)
     ch.get("wire/ready")
     t = time.perf_counter()
     for _ in range(args.repeats):
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
     synchronize(device.type)
     res["times"][WIRE] = (time.perf_counter() - t) / args.repeats
     ch.get("wire/done")
@@ -293,7 +294,7 @@ def trainer_vllm(world, flavor: str, args, res: dict) -> None:
 
 
 def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
 
     ch = Channel(world, flavor)
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny" else 0,
@@ -339,14 +340,14 @@ def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
     flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=world.device)  # the sender's dtype and count
     for i in range(args.warmup + args.repeats):
         ch.get(f"raw/h/{i}")
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
         synchronize(world.device.type)
         ch.put(f"raw/a/{i}", "ok")
     ch.get("wire/go")
     for _ in range(2):
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
     synchronize(world.device.type)
-    works = [_broadcast(world.group, flat, root=0) for _ in range(args.repeats)]
+    works = [broadcast(world.group, flat, root=0) for _ in range(args.repeats)]
     ch.put("wire/ready", 1)  # all receives posted before the trainer starts its clock
     for w in works:
         w.wait()

@@ -3,7 +3,7 @@
 One launch measures one R: torchrun with 1 + R processes, rank 0 the trainer
 (torchtitan_rl's Trainer on one rank, fp32 masters), ranks 1..R one generator
 replica each (torchtitan's Qwen3 in vLLM, in process, dummy weights), joined by
-weight_sync/nccl.py's ``init_world(replicas=R)``. Per model shape:
+distributed/world.py's ``init_world(replicas=R)``. Per model shape:
 
 1. ours: NcclSender.sync -> every replica's NcclReceiver.receive (names/shapes
    check, header, flat bf16 buckets broadcast to the group, the NaN/inf
@@ -39,7 +39,10 @@ from torchtitan_rl import compat  # noqa: E402  (import before torchtitan)
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
 from torchtitan_rl.config.job_config import TrainerConfig  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
-from torchtitan_rl.weight_sync.nccl import NcclReceiver, NcclSender, _broadcast, _get, init_world  # noqa: E402
+from torchtitan_rl.distributed.world import broadcast, init_world  # noqa: E402
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver  # noqa: E402
+from torchtitan_rl.weight_sync.nccl_sender import NcclSender  # noqa: E402
+from torchtitan_rl.weight_sync.store import get_text  # noqa: E402
 
 
 def shape_of(flavor: str, args):
@@ -65,12 +68,12 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
     flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
     world.store.set(f"bench/{flavor}/bytes", str(nbytes))
     for _ in range(2):
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
     synchronize(device.type)
-    _get(world.store, f"bench/{flavor}/ready", args.startup_timeout)  # every replica's receives posted
+    get_text(world.store, f"bench/{flavor}/ready", args.startup_timeout)  # every replica's receives posted
     start = time.perf_counter()
     for _ in range(args.repeats):
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
     synchronize(device.type)
     wire = (time.perf_counter() - start) / args.repeats
     return {
@@ -80,7 +83,7 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
 
 
 def generator_flavor(world, flavor: str, args, workdir: Path) -> None:
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
 
     with compat.vllm_device(world.device):
         gen = Generator(
@@ -92,12 +95,12 @@ def generator_flavor(world, flavor: str, args, workdir: Path) -> None:
     receiver = NcclReceiver(generator=gen, world=world, name=flavor)
     for _ in range(1 + args.warmup + args.repeats):
         receiver.receive()
-    flat = torch.empty(int(_get(world.store, f"bench/{flavor}/bytes", None)), dtype=torch.uint8,
+    flat = torch.empty(int(get_text(world.store, f"bench/{flavor}/bytes", None)), dtype=torch.uint8,
                        device=world.device)
     for _ in range(2):
-        _broadcast(world.group, flat, root=0).wait()
+        broadcast(world.group, flat, root=0).wait()
     synchronize(world.device.type)
-    works = [_broadcast(world.group, flat, root=0) for _ in range(args.repeats)]
+    works = [broadcast(world.group, flat, root=0) for _ in range(args.repeats)]
     if world.store.add(f"bench/{flavor}/posted", 1) == world.replicas:  # the last replica to post
         world.store.set(f"bench/{flavor}/ready", "1")
     for w in works:
@@ -167,7 +170,7 @@ def main() -> None:
     if world.role == "trainer":
         world.store.set("bench/end", "1")
     else:
-        _get(world.store, "bench/end", None)
+        get_text(world.store, "bench/end", None)
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's in-process engine teardown
 

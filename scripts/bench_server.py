@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tests.helpers import free_port, native_state, trainer_model  # noqa: E402
 from torchtitan_rl.config import LoRAConfig, SamplingConfig, TrainerConfig, WeightSyncConfig, load_toml  # noqa: E402
-from torchtitan_rl.generator.generator import Generator  # noqa: E402
-from torchtitan_rl.generator.server_client import ServerClient, ServerGenerator  # noqa: E402
+from torchtitan_rl.engine.generator import Generator  # noqa: E402
+from torchtitan_rl.rollout.server_client import ServerClient, ServerGenerator  # noqa: E402
 from torchtitan_rl.grpo.tasks.digits import DigitsTask  # noqa: E402
-from torchtitan_rl.trainer.distributed import init_process_group  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.distributed.process_group import init_process_group  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 TOKEN = "bench"
 EOS = 2

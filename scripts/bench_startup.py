@@ -30,9 +30,8 @@ PROMPTS = [[1, 4, 5, 6, 14], [1, 7, 7, 2, 14], [1, 13, 4, 9, 14], [1, 5, 5, 5, 1
 def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
     import torch
 
-    from torchtitan_rl import compat
     from torchtitan_rl.config import ModelConfig, SamplingConfig, WeightSyncConfig, parse_args
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator, build_engine
     from torchtitan_rl.models.families import resolve_shape, to_hf
     from torchtitan_rl.models.shape import build_titan_model
 
@@ -48,7 +47,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
     if kind == "dummy":
         from safetensors.torch import save_file
 
-        from torchtitan_rl.weight_sync import WeightSync
+        from torchtitan_rl.weight_sync.sync import WeightSync
 
         titan = build_titan_model(shape, seed=cfg.job.seed, device=device)  # the trainer's, not timed
         state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}
@@ -86,7 +85,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
         from vllm import SamplingParams
 
         g = cfg.generator
-        engine = compat.build_llm_engine(
+        engine = build_engine(
             model=str(ckpt), load_format="auto", dtype="bfloat16", max_model_len=g.max_model_len,
             max_num_seqs=g.max_num_seqs, enforce_eager=g.enforce_eager, tensor_parallel_size=1, seed=0,
             device=device, gpu_memory_utilization=g.gpu_memory_utilization,

@@ -35,12 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_seconds, synchronize, table, write_section  # noqa: E402
 
-from torchtitan_rl import compat  # noqa: E402
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
-from torchtitan_rl.generator.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.generator import Generator, build_engine  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape, to_hf  # noqa: E402
 from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 RAY_STUB = Path(__file__).resolve().parent / "gpu" / "stubs"
 """vLLM 0.26's IPC engine imports ray at module level; the GPU image has none."""
@@ -57,7 +56,7 @@ def native_engine(shape, workdir: Path, device: str):
     (model_dir / "config.json").write_text(
         json.dumps(shape.to_hf_config())
     )
-    return compat.build_llm_engine(
+    return build_engine(
         model=str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=128,
         max_num_seqs=8, enforce_eager=True, tensor_parallel_size=1, seed=0, device=device,
         gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, batch_invariant=False,

@@ -24,11 +24,11 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     """One mode: rows of (mode, batch size, tokens, differing, max |diff|)."""
     import torch
 
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.grpo.batch import pack_rollouts
-    from torchtitan_rl.simple_grpo import run_device, run_shape, run_task
+    from torchtitan_rl.job import run_device, run_shape, run_task
     from torchtitan_rl.trainer import Trainer
-    from torchtitan_rl.weight_sync import WeightSync
+    from torchtitan_rl.weight_sync.sync import WeightSync
 
     task = run_task(cfg)
     device = run_device(cfg.job.device)

@@ -76,7 +76,7 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def make_generator(workdir: Path, *, flavor: str = "tiny", **overrides):
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
 
     config = GeneratorConfig(**overrides)
     return Generator(

@@ -11,6 +11,7 @@ from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_t
 from tests.trainer.helpers import make_batch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GRPOConfig, JobConfig, LoRAConfig, write_toml
+from torchtitan_rl.engine.generator import build_engine
 from torchtitan_rl.export import export_hf
 
 FAMILIES = ["qwen3", "llama"]
@@ -27,7 +28,7 @@ def vllm_native_prompt_logprobs(folder, tokens_BL: torch.Tensor) -> tuple[torch.
     """vLLM's own model class for the folder's architecture (load_format=auto, fp32, CPU): prompt logprobs."""
     from vllm import SamplingParams
 
-    engine = compat.build_llm_engine(
+    engine = build_engine(
         model=str(folder), load_format="auto", dtype="float32", max_model_len=64, max_num_seqs=8,
         enforce_eager=True, tensor_parallel_size=1, seed=0, device="cpu", gpu_memory_utilization=0.1,
         kv_cache_memory_bytes=64 << 20, batch_invariant=False,
@@ -101,7 +102,7 @@ def test_non_empty_target_is_refused(tiny_hf_checkpoint, tmp_path):
 
 def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     """python -m torchtitan_rl.export --run-dir: the same folder as exporting the live trainer (bf16)."""
-    from torchtitan_rl.simple_grpo import run_shape, run_task
+    from torchtitan_rl.job import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     folder = tiny_hf_checkpoint("llama")
@@ -163,7 +164,7 @@ def test_export_skips_a_damaged_checkpoint_and_writes_readable_files(tmp_path, c
     import stat
 
     from torchtitan_rl.export import export_checkpoint
-    from torchtitan_rl.simple_grpo import run_shape, run_task
+    from torchtitan_rl.job import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     run_dir = tmp_path / "run"

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
-from torchtitan_rl.generator.generator import Rollouts
+from torchtitan_rl.rollout.base import Rollouts
 
 CPU_TINY = Path(__file__).resolve().parents[1] / "run_configs" / "cpu_tiny.toml"
 

@@ -44,7 +44,7 @@ def build_llm_engine(
     **engine_kwargs,
 ):
     """An in-process ``LLMEngine`` whose model object this process can touch; without ``tokenizer`` (a folder)
-    it takes and returns token ids only."""
+    it takes and returns token ids only. Our model class must be registered first (engine.generator.build_engine)."""
     # The engine core must run in this process for the sync to write its tensors.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's INFO lines (per-interval throughput, cache resets) drown the progress bar.
@@ -56,9 +56,6 @@ def build_llm_engine(
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import EngineArgs, LLMEngine
 
-    from torchtitan_rl.models.vllm_model import register
-
-    register()
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = dict(
         engine_kwargs, skip_tokenizer_init=tokenizer is None, logprobs_mode="processed_logprobs",

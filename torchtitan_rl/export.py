@@ -25,12 +25,16 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.cli import one_line_errors
-from torchtitan_rl.config import LoRAConfig
+from torchtitan_rl.config import LoRAConfig, load_toml
+from torchtitan_rl.config.loader import tokenizer_dir
+from torchtitan_rl.distributed.dtensor import full
 from torchtitan_rl.folders import complete_or_absent
+from torchtitan_rl.job import run_shape, run_task
 from torchtitan_rl.models.families import to_hf
-from torchtitan_rl.models.lora import merged_state
-from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
-from torchtitan_rl.weight_sync.dtensor import full
+from torchtitan_rl.models.lora import apply_lora, merged_state
+from torchtitan_rl.models.shape import ModelShape, build_titan_model, qkv_views, titan_config
+from torchtitan_rl.runs import run_to_resume
+from torchtitan_rl.trainer import checkpoint
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -136,13 +140,6 @@ def _expected_hf_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None = None) -> Path:
     """Export step ``step`` (default: the newest that verifies) of the run in ``run_dir`` (a run folder, or a
     job.output_dir: its ``latest`` run)."""
-    from torchtitan_rl.config import load_toml
-    from torchtitan_rl.config.loader import tokenizer_dir
-    from torchtitan_rl.models.lora import apply_lora
-    from torchtitan_rl.models.shape import build_titan_model
-    from torchtitan_rl.runs import run_to_resume
-    from torchtitan_rl.simple_grpo import run_shape, run_task
-    from torchtitan_rl.trainer import checkpoint
 
     check_target(out)
     run = run_to_resume(Path(run_dir))

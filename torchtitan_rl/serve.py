@@ -5,7 +5,7 @@
 The same JobConfig as the trainer (model, generator, task for the tokenizer,
 serve section). It serves nothing until a trainer started with
 ``--weight_sync.transport server`` (and the same serve section) connects and
-syncs: generator/server.py says how. Stops on Ctrl-C / SIGTERM.
+syncs: serving/server.py says how. Stops on Ctrl-C / SIGTERM.
 """
 
 from pathlib import Path
@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> None:
 def serve(cfg) -> None:
     import uvicorn
 
-    from torchtitan_rl.generator.engine_loop import EngineLoop
-    from torchtitan_rl.generator.generator import Generator
-    from torchtitan_rl.generator.server import RolloutServer, SyncSessions, sync_port, tokenizer_folder
-    from torchtitan_rl.simple_grpo import run_device, run_shape, run_task
+    from torchtitan_rl.serving.engine_loop import EngineLoop
+    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.serving.protocol import sync_port
+    from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
+    from torchtitan_rl.job import run_device, run_shape, run_task
     from transformers import AutoTokenizer
 
     workdir = Path(cfg.job.output_dir)

@@ -60,21 +60,22 @@ def run(cfg: JobConfig) -> list[dict]:
     from tqdm import tqdm
 
     from torchtitan_rl.config import validate
-    from torchtitan_rl.generator.base import Done, RolloutGenerator
-    from torchtitan_rl.generator.colocated import ColocatedGenerator
-    from torchtitan_rl.generator.remote import RemoteGenerator, serve
-    from torchtitan_rl.generator.server_client import ServerGenerator
+    from torchtitan_rl.rollout.base import Done, RolloutGenerator
+    from torchtitan_rl.rollout.colocated import ColocatedGenerator
+    from torchtitan_rl.rollout.remote import RemoteGenerator, serve
+    from torchtitan_rl.rollout.server_client import ServerGenerator
     from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
     from torchtitan_rl.grpo.loss import importance_weights
     from torchtitan_rl.grpo.evaluate import Evaluator
+    from torchtitan_rl.job import run_device, run_shape, run_task
     from torchtitan_rl.grpo.groups import REFILL_SEED_OFFSET, fill_with_signal, rollout_metrics, score_groups
     from torchtitan_rl.metrics import MetricsLogger
     from torchtitan_rl.runs import agree
     from torchtitan_rl.trainer import Trainer
-    from torchtitan_rl.trainer.distributed import init_process_group
+    from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.trainer.trainer import TrainBatch
-    from torchtitan_rl.weight_sync import init_world
+    from torchtitan_rl.distributed.world import init_world
 
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
@@ -326,65 +327,6 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
         generator.sync(trainer.sync_state(), version=version)
     logger.log_eval(version, evaluator.run(generator, step=version))
     logger.log_samples(version, evaluator.samples)
-
-
-def run_task(cfg: JobConfig):
-    """The run's task (config.loader.effective_task) built with the task section and its tokenizer folder
-    (task.tokenizer, else the checkpoint's)."""
-    from torchtitan_rl.grpo import build_task
-    from torchtitan_rl.models.hf_folder import check_hf_folder
-
-    for field, folder in (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("task.tokenizer", cfg.task.tokenizer)):
-        if folder is not None:  # before transformers or safetensors read a file of it
-            check_hf_folder(folder, field=field)
-    spec = effective_task(cfg)
-    if spec != cfg.grpo.task and os.environ.get("RANK", "0") == "0":
-        print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
-              f"{spec!r}: a timing harness, nothing will learn (--model.hf_checkpoint DIR trains {cfg.grpo.task!r})")
-    completion = max(cfg.generator.sampling.max_tokens, cfg.eval.max_tokens)
-    return build_task(spec, cfg.task, tokenizer_dir=tokenizer_dir(cfg),
-                      max_prompt_tokens=cfg.generator.max_model_len - completion)
-
-
-def run_shape(cfg: JobConfig, task):
-    """The run's model shape; the tiny flavors (vocab 0) take the task tokenizer's vocabulary."""
-    from torchtitan_rl.grpo.tasks import check_vocabulary
-    from torchtitan_rl.models.families import FLAVORS, resolve_shape
-
-    flavor = FLAVORS.get(cfg.model.flavor)
-    takes_task_vocab = flavor is not None and flavor.vocab_size == 0  # the tiny flavors
-    shape = resolve_shape(
-        flavor=cfg.model.flavor,
-        hf_checkpoint=cfg.model.hf_checkpoint,
-        vocab_size=cfg.model.vocab_size or (task.vocab_size if takes_task_vocab else 0),
-        max_seq_len=cfg.model.max_seq_len,
-    )
-    check_vocabulary(
-        task, spec=effective_task(cfg), model_vocab_size=shape.vocab_size, hf_checkpoint=cfg.model.hf_checkpoint
-    )
-    return shape
-
-
-def run_device(name: str):
-    """job.device as a torch.device (this rank's GPU under torchrun)."""
-    import torch
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "job.device: this config needs a CUDA GPU and torch finds none; on a CPU run "
-                "run_configs/cpu_tiny.toml or run_configs/smollm2_135m_math_cpu.toml (or --job.device cpu)"
-            )
-        local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-        if local_rank >= visible:
-            raise ValueError(
-                f"job.device: torchrun's local rank {local_rank} needs GPU {local_rank}, but {visible} "
-                f"{'is' if visible == 1 else 'are'} visible; run at most --nproc-per-node {visible} per machine"
-            )
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
 
 
 def _reduce_token_stats(local: dict[str, float], mask_BL, device) -> dict[str, float]:

@@ -26,12 +26,12 @@ from bench_common import table, write_section  # noqa: E402
 
 from torchtitan_rl import compat  # noqa: E402,F401  (before torchtitan)
 from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, parse_args  # noqa: E402
-from torchtitan_rl.generator.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.generator import Generator  # noqa: E402
 from torchtitan_rl.grpo import build_task  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.trainer import Trainer  # noqa: E402
-from torchtitan_rl.weight_sync import WeightSync  # noqa: E402
+from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 
 def compare(trainer, rollouts, pad_id: int) -> dict:

@@ -57,7 +57,7 @@ def _scheduler(engine):
 
 
 def install(records: list) -> None:
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
 
     real_generate = Generator.generate
     gc_time = [0.0, 0]

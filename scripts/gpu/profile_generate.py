@@ -32,10 +32,10 @@ def worker(setting: str, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
-    from torchtitan_rl.weight_sync import WeightSync
+    from torchtitan_rl.weight_sync.sync import WeightSync
 
     shape = resolve_shape(flavor="0.6B", hf_checkpoint=None, vocab_size=0, max_seq_len=1024)
     titan = build_titan_model(shape, seed=0, device="cuda")

@@ -5,8 +5,8 @@ import torch
 
 from tests.models.test_families import FP32_ATOL, make_trainer, shape_of
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-from torchtitan_rl.generator.generator import Generator
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 # bf16 tolerance, relative to transformers' own bf16 forward of the same
 # weights: both round the same fp32 weights and activations to bf16 (8

@@ -25,8 +25,8 @@ from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.batch import pack_rollouts
 from torchtitan_rl.trainer import TrainBatch, Trainer
-from torchtitan_rl.weight_sync import WeightSync
-from torchtitan_rl.weight_sync.dtensor import full_many
+from torchtitan_rl.weight_sync.sync import WeightSync
+from torchtitan_rl.distributed.dtensor import full_many
 
 N = 2
 """Completions per prompt."""

@@ -28,11 +28,13 @@ import torch.distributed as dist
 from tests.helpers import PROMPTS, make_generator, tiny_shape
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
-from torchtitan_rl.generator.generator import Rollouts
+from torchtitan_rl.rollout.base import Rollouts
 from torchtitan_rl.grpo.batch import pack_rollouts
 from torchtitan_rl.trainer import Trainer
-from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, init_world
-from torchtitan_rl.weight_sync.nccl import _buckets
+from torchtitan_rl.distributed.world import init_world
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
+from torchtitan_rl.weight_sync.nccl_sender import NcclSender
+from torchtitan_rl.weight_sync.buckets import bucket_keys
 
 N = 2
 """Completions per prompt."""
@@ -108,7 +110,7 @@ def trainer_main(world, out_dir: Path, flavor: str) -> None:
     record = {"trainer_world": dist.get_world_size(), "dp_size": trainer.dp_size}
     sender = NcclSender(WeightSyncConfig(verify="full"), reference=trainer.sync_state(), world=world,
                         bucket_bytes=4096)
-    record["buckets"] = len(_buckets(sender.ws.keys, sender.nbytes, sender.bucket_bytes))
+    record["buckets"] = len(bucket_keys(sender.ws.keys, sender.nbytes, sender.bucket_bytes))
 
     replicas = range(world.replicas)
     record["replicas"] = world.replicas

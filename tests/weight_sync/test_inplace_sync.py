@@ -5,7 +5,7 @@ import torch
 
 from tests.helpers import PROMPTS, assert_serves, checkpoint_state, make_generator, native_state, trainer_model
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 pytestmark = pytest.mark.bf16_numerics
 

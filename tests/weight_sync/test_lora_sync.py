@@ -10,9 +10,9 @@ import torch
 
 from tests.helpers import PROMPTS, assert_serves, tiny_shape, trainer_model
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig, WeightSyncConfig
-from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.engine.generator import Generator
 from torchtitan_rl.trainer import Trainer
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.helpers import BF16_MISMATCH_MEAN, free_port
-from torchtitan_rl.weight_sync.nccl import answers
+from torchtitan_rl.weight_sync.store import answers
 
 REPO = Path(__file__).resolve().parents[2]
 

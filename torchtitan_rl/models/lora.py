@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_rl.config import LoRAConfig
+from torchtitan_rl.distributed.dtensor import full
+from torchtitan_rl.models.batch_invariant import bi_linear
 
 LORA_SUFFIXES = (".lora_a", ".lora_b")
 
@@ -39,8 +41,6 @@ def _lora_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     a, b = self.lora_a, self.lora_b
     h = self.lora_dropout(x).to(a.dtype)
     if getattr(self, "batch_invariant", False):
-        from torchtitan_rl.models.batch_invariant import bi_linear
-
         delta = bi_linear(bi_linear(h, a), b)
     else:
         delta = F.linear(F.linear(h, a), b)
@@ -94,8 +94,6 @@ def merged_state(state: dict[str, torch.Tensor], config: LoRAConfig) -> dict[str
     Computed from the trainer's untouched base, in fp32; sharded DTensors are
     gathered (collectively, the same keys in the same order on every rank).
     """
-    from torchtitan_rl.weight_sync.dtensor import full  # lazy: weight_sync imports this module
-
     scale = config.alpha / config.rank
     merged = {}
     for name, t in state.items():

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import LoRAConfig
+from torchtitan_rl.models.batch_invariant import attention as bi_attention, make_batch_invariant, padded_len, seqs_per_chunk
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.families import family_by_model_type, load_hf_state, shape_from_hf_config
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
@@ -93,8 +94,6 @@ class PagedAttention(nn.Module):
                          seq_lens=md.seq_lens, scale=self.scale, tiles=tiles)
 
     def _batch_invariant(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
-        from torchtitan_rl.models.batch_invariant import attention
-
         out = torch.zeros_like(q_TNH)
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to
@@ -112,7 +111,7 @@ class PagedAttention(nn.Module):
         self._kv_rows[1][:, plan.rows_T] = v_TKH[:T].transpose(0, 1)
         for c in plan.chunks:
             kv = self._kv_rows[:, :, c.kv_rows]  # [2, n_kv, seqs, keys, head_dim], row 0 (zeros) past each end
-            out_BRNH = attention(q_TNH[c.q_index], kv[0], kv[1], c.positions, scale=self.scale)
+            out_BRNH = bi_attention(q_TNH[c.q_index], kv[0], kv[1], c.positions, scale=self.scale)
             if c.real is None:
                 out[c.q_index.flatten()] = out_BRNH.flatten(0, 1)
             else:
@@ -170,8 +169,6 @@ def _bi_plan(md, *, block_size: int, heads: int, head_dim: int) -> _Plan:
     group sequences by it (few padded rows).
     """
     global _block_size_checked
-    from torchtitan_rl.models.batch_invariant import padded_len, seqs_per_chunk
-
     device = md.slot_mapping.device
     slots = md.slot_mapping[: md.num_actual_tokens].long()
     rows_T = torch.where(slots >= 0, slots + 2, 1)
@@ -248,8 +245,6 @@ class TorchTitanForCausalLM(nn.Module):
                 batch_invariant=batch_invariant,
             )
         if batch_invariant:
-            from torchtitan_rl.models.batch_invariant import make_batch_invariant
-
             device = torch.device("cpu" if compat.vllm_on_cpu() else "cuda")
             make_batch_invariant(self.model, replace_attention=False, device=device)
         lora = hf_config.get(LORA_KEY)

@@ -28,7 +28,7 @@ from torchtitan_rl.models.batch_invariant import make_batch_invariant, sampler_t
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import ModelShape, titan_config
 from torchtitan_rl.trainer import checkpoint
-from torchtitan_rl.trainer.distributed import (
+from torchtitan_rl.distributed.process_group import (
     build_parallel_dims,
     deterministic_algorithms,
     init_process_group,

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.config import LoRAConfig, WeightSyncConfig
 from torchtitan_rl.models.lora import is_lora_key, merged_state
-from torchtitan_rl.weight_sync.dtensor import full_many, local as _local, needs_gather as _needs_gather
+from torchtitan_rl.distributed.dtensor import full_many, local as _local, needs_gather as _needs_gather
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
 from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
 
@@ -154,7 +154,7 @@ class WeightSync:
         start = time.perf_counter()
         state = self._source(state)
         keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
-        unchanged = self._unchanged(state, keys)
+        unchanged = self.unchanged(state, keys)
         keys = [k for k in keys if k not in unchanged] if unchanged else keys
         self.validate(state, keys)
         gen = self.generator
@@ -171,12 +171,20 @@ class WeightSync:
         if gen is not None:
             gen.finish_sync(version)
         self.base_synced = True
+        self.mark_moved(state, keys)
+        return SyncStats(version, time.perf_counter() - start, sum(self.sizes[k] for k in keys), verified)
+
+    def mark_moved(self, state: dict[str, torch.Tensor], keys: list[str]) -> None:
+        """Remember which frozen tensors just reached the generator (``unchanged`` skips them next time)."""
         for k in keys:
             if not state[k].requires_grad:
                 self._moved[k] = (weakref.ref(state[k]), _local(state[k])._version)
-        return SyncStats(version, time.perf_counter() - start, sum(self.sizes[k] for k in keys), verified)
 
-    def _unchanged(self, state: dict[str, torch.Tensor], keys: list[str]) -> set[str]:
+    def forget_moved(self) -> None:
+        """The generator lost its weights: the next sync moves every tensor."""
+        self._moved.clear()
+
+    def unchanged(self, state: dict[str, torch.Tensor], keys: list[str]) -> set[str]:
         """Frozen tensors (buffers such as the RoPE cache, a LoRA run's base) not
         modified since they last moved: the same tensor object with the same
         version counter, which every in-place write bumps. All ranks agree."""

@@ -18,7 +18,7 @@ from torchtitan_rl.grpo.batch import pack_rollouts
 from torchtitan_rl.grpo.tasks.calculator import calculate, find_call
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 from torchtitan_rl.grpo.tasks.episodes import ToolTask
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 MAX_TOTAL = 24
 CALLS, EQ = {4, 5, 6, 7, 8}, 14

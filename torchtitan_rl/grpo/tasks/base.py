@@ -66,7 +66,7 @@ class Task(ABC):
 
     def submit(self, generator, prompts: list[Prompt], *, n: int, seed: int | None, sampling,
                max_total_tokens: int):
-        """Ask ``generator`` (any layout, generator/base.py) for ``n`` completions per prompt, group-contiguous,
+        """Ask ``generator`` (any layout, rollout/base.py) for ``n`` completions per prompt, group-contiguous,
         one turn each, ending at ``eos_id``; returns its Pending. Multi-turn tasks (tasks/episodes.py) play
         whole episodes here."""
         return generator.submit([p.token_ids for p in prompts], n=n, stop_token_ids=[self.eos_id], seed=seed,

@@ -35,6 +35,7 @@ from abc import abstractmethod
 
 from torchtitan_rl.config import SamplingConfig
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
+from torchtitan_rl.rollout.base import Done, Rollouts
 
 TURN_SEED = 7919
 """Turn t > 0, budget group g, of a request seeded s is seeded (s * TURN_SEED + t) * TURN_SEED + g (the
@@ -69,9 +70,6 @@ class ToolTask(Task):
         ``max_total_tokens`` (prompt + completion) per episode. Played now, turn after turn (each turn needs
         the last one's tokens), so with grpo.max_staleness > 0 they are as old as a single turn would be but
         do not overlap training."""
-        from torchtitan_rl.generator.base import Done
-        from torchtitan_rl.generator.generator import Rollouts
-
         episodes = [_Episode(list(p.token_ids)) for p in prompts for _ in range(n)]
         version, generate_s, idle_s = None, 0.0, None
         for turn in range(self.max_turns):

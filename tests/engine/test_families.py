@@ -6,12 +6,12 @@ import torch
 from tests.helpers import PROMPTS
 from tests.models.test_families import LLAMA3_ROPE, _with_config
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, WeightSyncConfig
-from torchtitan_rl.generator.generator import Generator
+from torchtitan_rl.engine.generator import Generator
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 FAMILIES = ["qwen3", "llama"]
 

@@ -28,7 +28,7 @@ import torch
 
 from tests.helpers import PROMPTS, REPO, assert_serves, free_port, make_generator, native_state, trainer_model
 from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, load_toml
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 TOKEN = "test-secret"
@@ -123,8 +123,8 @@ def _complete(cfg, prompt=PROMPTS[0], *, timeout: float = 120, **fields):
 
 def _connect(cfg):
     """A trainer connection from this process (a new session replaces the previous one)."""
-    from torchtitan_rl.generator.server_client import ServerGenerator
-    from torchtitan_rl.trainer.distributed import init_process_group
+    from torchtitan_rl.rollout.server_client import ServerGenerator
+    from torchtitan_rl.distributed.process_group import init_process_group
 
     init_process_group(torch.device("cpu"))  # the sender's collectives run on a one-rank trainer world
     return ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))
@@ -253,7 +253,7 @@ def test_load_with_two_syncs_in_the_middle_loses_nothing_and_mixes_no_versions(s
 
 
 def _as_rollouts(body: dict, version: int):
-    from torchtitan_rl.generator.generator import Rollouts
+    from torchtitan_rl.rollout.base import Rollouts
 
     c = body["choices"]
     return Rollouts([x["prompt_token_ids"] for x in c], [x["token_ids"] for x in c],
@@ -424,7 +424,7 @@ def test_more_requests_than_serve_max_concurrent_requests_get_429_with_retry_aft
 
 
 def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server):
-    from torchtitan_rl.generator.server_client import ServerGone
+    from torchtitan_rl.rollout.server_client import ServerGone
 
     first = _connect(server)
     first.sync(native_state(trainer_model(seed=50)), version=50)
@@ -534,7 +534,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
 
 @pytest.mark.slow
 def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
-    from torchtitan_rl.generator.server_client import ServerGone
+    from torchtitan_rl.rollout.server_client import ServerGone
 
     with _server_process(tmp_path) as (cfg, proc):
         trainer = _connect(cfg)
@@ -574,7 +574,7 @@ def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_pa
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        from torchtitan_rl.generator.server_client import ServerClient
+        from torchtitan_rl.rollout.server_client import ServerClient
 
         ServerClient(f"http://127.0.0.1:{cfg.serve.port}").wait_ready(180)
         messages = [{"role": "user", "content": "What is 2 + 3? Reply with the number only."}]

@@ -25,7 +25,7 @@ disconnects has its samples aborted in the engine.
 Weights: a trainer connects (``/control/connect``), gets a random session id
 and the port of the server's TCP store (``serve.sync_port``), and the two
 sides build the own-rank layout's two-rank group on it: the trainer's
-NcclSender, the server's NcclReceiver (weight_sync/nccl.py: sync plan and
+NcclSender, the server's NcclReceiver (weight_sync/nccl_sender.py, nccl_receiver.py: sync plan and
 coverage proof at connect, validation before any write, buckets, checksums,
 version published last; after a LoRA run's first full sync only the adapter
 moves, one flat bucket). A session thread applies each sync between the
@@ -55,34 +55,17 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
-from torchtitan_rl.generator.engine_loop import EngineLoop, Sample
-from torchtitan_rl.generator.generator import WeightsNotSyncedError, sample_seed, sampling_params
-from torchtitan_rl.generator.openai_api import ChatRequest, CompletionRequest, HttpError, parse
-from torchtitan_rl.weight_sync.nccl import NcclReceiver, World, pair_group
+from torchtitan_rl.config.loader import tokenizer_dir
+from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
+from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
+from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
+from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
+from torchtitan_rl.distributed.world import World, pair_group
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
 from torchtitan_rl.weight_sync.signed_store import SignedStore
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
-SESSION_PREFIX = "torchtitan_rl/serve"
-"""Store prefix of a sync session's keys (+ /<session id>)."""
-ENDED = "ended"
-"""Session key: the server's signed notice that a newer trainer replaced this session's."""
-
-
-def connect_host(host: str) -> str:
-    """Where a client on this machine reaches a server bound to ``host``."""
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host
-
-
-def sync_port(cfg: JobConfig) -> int:
-    return cfg.serve.sync_port or cfg.serve.port + 1
-
-
-def session_store(store: dist.Store, session: str, *, secret: str) -> SignedStore:
-    """A session's signed message store (both sides): keys under its prefix, signed for this session only."""
-    return SignedStore(dist.PrefixStore(f"{SESSION_PREFIX}/{session}", store), secret=secret, session=session)
-
-
 class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 
@@ -473,7 +456,6 @@ def _finite(logprob: float) -> float:
 def tokenizer_folder(cfg: JobConfig, task, workdir: Path) -> str:
     """An HF tokenizer folder for the engine and the chat template: the run's, or the task's own tokenizer
     (digits: a ``tokenizers.Tokenizer``) written out as one."""
-    from torchtitan_rl.config.loader import tokenizer_dir
 
     if tokenizer_dir(cfg):
         return tokenizer_dir(cfg)

@@ -24,7 +24,7 @@ from tests.helpers import assert_one_line_error, run_cli
 from tests.helpers import BF16_MISMATCH_MEAN, free_port
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml, validate
-from torchtitan_rl.generator.remote import _Mailbox, _receive
+from torchtitan_rl.rollout.remote import _Mailbox, _receive
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"

@@ -1,4 +1,4 @@
-"""A trainer that dies in the middle of a sync (tests/generator/test_server.py).
+"""A trainer that dies in the middle of a sync (tests/serving/test_server.py).
 
 python server_trainer_worker.py PORT SYNC_PORT TOKEN API_KEY DIE_AFTER [stop]: connects to
 the rollout server, syncs version 30 in full, then starts syncing version 31
@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers import native_state, trainer_model  # noqa: E402
 from torchtitan_rl.config import load_toml  # noqa: E402
-from torchtitan_rl.generator.server_client import ServerGenerator  # noqa: E402
-from torchtitan_rl.trainer.distributed import init_process_group  # noqa: E402
-from torchtitan_rl.weight_sync import nccl  # noqa: E402
+from torchtitan_rl.rollout.server_client import ServerGenerator  # noqa: E402
+from torchtitan_rl.distributed.process_group import init_process_group  # noqa: E402
+from torchtitan_rl.weight_sync import nccl_sender  # noqa: E402
 
 
 def main(port: int, sync_port: int, token: str, api_key: str, die_after: int, stop: bool) -> None:
@@ -33,7 +33,7 @@ def main(port: int, sync_port: int, token: str, api_key: str, die_after: int, st
     generator.sync(native_state(trainer_model(seed=30)), version=30)
 
     generator.sender.bucket_bytes = 4096  # many buckets: the death lands inside the sync
-    broadcast, sent = nccl._broadcast, [0]
+    broadcast, sent = nccl_sender.broadcast, [0]
 
     def broadcast_then_die(pair, tensor, root):
         work = broadcast(pair, tensor, root)
@@ -46,7 +46,7 @@ def main(port: int, sync_port: int, token: str, api_key: str, die_after: int, st
             os._exit(3)
         return work
 
-    nccl._broadcast = broadcast_then_die
+    nccl_sender.broadcast = broadcast_then_die
     generator.sync(native_state(trainer_model(seed=31)), version=31)
     sys.exit("the sync finished; the worker should have died in it")
 

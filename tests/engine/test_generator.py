@@ -10,8 +10,9 @@ from safetensors.torch import save_file
 
 from tests.helpers import PROMPTS, assert_serves, make_generator, native_state, tiny_shape, trainer_model
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.generator.generator import Rollouts, WeightsNotSyncedError, prompt_blocks
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.engine.generator import WeightsNotSyncedError
+from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_prompt_blocks_seeded_by_their_global_index_sample_the_whole_batch(unsyn
 def test_standalone_rollouts_from_a_local_hf_checkpoint(tmp_path):
     """Opt-in debugging path: load_format='auto' serves a checkpoint with no trainer."""
     from torchtitan_rl.config import GeneratorConfig, ModelConfig
-    from torchtitan_rl.generator.generator import Generator
+    from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.models.families import to_hf
 
     model = trainer_model(seed=3)

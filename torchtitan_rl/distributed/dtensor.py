@@ -36,8 +36,7 @@ def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = No
     FSDP shards (dim 0 over one mesh) move in ONE all-gather per mesh and
     dtype: each rank packs its shards, cast first (half the bytes for fp32
     masters going to bf16), padded to ceil(rows / ranks) rows as DTensor
-    splits them. A full_tensor() call per tensor was ~0.1 ms of host time
-    each, ~40 ms a sync for a 28-layer model on two ranks. Other layouts
+    splits them (a full_tensor() call per tensor costs host time: docs/design.md). Other layouts
     (tensor parallel, 2-D meshes) gather one by one.
     """
     dtypes = dtypes or [t.dtype for t in tensors]

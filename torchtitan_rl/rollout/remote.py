@@ -2,7 +2,7 @@
 
 torchrun starts T + R processes: ranks 0..T-1 train (FSDP over them, their
 default process group excludes the rest), the last R ranks each hold one
-generator replica on its own device (weight_sync/nccl.py's ``init_world``;
+generator replica on its own device (distributed/world.py's ``init_world``;
 R = generator.parallelism.data_parallel_replicate_degree). Trainer rank 0
 drives; each replica answers its own mailbox in order:
 
@@ -16,8 +16,8 @@ drives; each replica answers its own mailbox in order:
 A request's prompts are split over the replicas in contiguous blocks
 (``prompt_blocks``); each replica seeds its samples by their global prompt
 index (``first_prompt``), and the blocks' rollouts are concatenated in
-replica order, so a batch is the same whatever R (bit for bit on CPU, as
-measured; elsewhere up to the float rounding of other batch shapes, none in
+replica order, so a batch is the same whatever R (bit for bit on CPU;
+elsewhere up to the float rounding of other batch shapes, none in
 batch-invariant mode).
 
 Messages and rollouts go through the job's store, one key each, deleted by
@@ -42,11 +42,13 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.generator.base import Later
-from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
+from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.rollout.base import Later, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.weight_sync import NcclReceiver, NcclSender, World
-from torchtitan_rl.weight_sync.nccl import store_value
+from torchtitan_rl.distributed.world import World
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
+from torchtitan_rl.weight_sync.nccl_sender import NcclSender
+from torchtitan_rl.weight_sync.store import store_value
 
 _PREFIX = "torchtitan_rl/generator"
 _POLL_S = 1.0

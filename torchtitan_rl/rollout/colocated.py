@@ -10,7 +10,7 @@ not depend on the number of ranks), and one all-gather gives every rank the
 whole batch. With "first" only rank 0 holds an engine and broadcasts its
 rollouts (less memory on the other ranks, T - 1 devices idle while it
 generates). The loop (simple_grpo.py) sees the interface of
-generator/base.py, as for a generator on its own rank (remote.py).
+rollout/base.py, as for a generator on its own rank (remote.py).
 
 One process and one device do one thing at a time here, so ``submit``
 generates at once, with the weights of that moment: with grpo.max_staleness
@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.generator.base import Done
-from torchtitan_rl.generator.generator import Generator, Rollouts, prompt_blocks
+from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.rollout.base import Done, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.weight_sync import WeightSync
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 class ColocatedGenerator:
@@ -40,8 +40,8 @@ class ColocatedGenerator:
         rank = dist.get_rank()
         self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
         if device.type == "cuda" and dist.get_world_size() > 1 and not self.every_rank:
-            # Seen on 2 H100s: the engine start never returned. Likely cause: torch splits vLLM's new NCCL groups
-            # off the trainer's eagerly initialised group, a collective that the ranks without an engine never join.
+            # vLLM's group setup is a collective the ranks without an engine never join (docs/design.md, "Why the code
+            # looks this way").
             raise ValueError(
                 "generator.colocated_ranks: 'first' hangs rank 0's vLLM engine at start when other trainer ranks "
                 "hold no engine on CUDA; use 'all' (every rank generates), or weight_sync.transport nccl"

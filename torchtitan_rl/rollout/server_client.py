@@ -1,6 +1,6 @@
 """The trainer's view of a rollout server (weight_sync.transport = "server").
 
-The loop sees the interface of generator/base.py: ``sync`` (the weights over
+The loop sees the interface of rollout/base.py: ``sync`` (the weights over
 the own-rank layout's NcclSender, to the server's session), ``submit`` /
 ``result`` (one POST /v1/completions with token-id prompts, sent from a
 background thread so that it overlaps training; the token ids and logprobs
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
-from torchtitan_rl.generator.base import Later
-from torchtitan_rl.generator.generator import Rollouts
-from torchtitan_rl.generator.server import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
-from torchtitan_rl.weight_sync import NcclSender, World
-from torchtitan_rl.weight_sync.nccl import pair_group
+from torchtitan_rl.rollout.base import Later, Rollouts
+from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
+from torchtitan_rl.distributed.world import World
+from torchtitan_rl.weight_sync.nccl_sender import NcclSender
+from torchtitan_rl.distributed.world import pair_group
 from torchtitan_rl.weight_sync.signed_store import ForgedMessage
 
 _SAY_EVERY_S = 5.0

@@ -11,7 +11,6 @@ import gc
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,11 +18,18 @@ import torch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH
+from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH, register
+from torchtitan_rl.rollout.base import Done, Rollouts
 
 
 class WeightsNotSyncedError(RuntimeError):
     pass
+
+
+def build_engine(**engine_kwargs):
+    """compat.build_llm_engine with our model class registered in vLLM first (its arguments)."""
+    register()
+    return compat.build_llm_engine(**engine_kwargs)
 
 
 def _unmerged_lora(lora: LoRAConfig) -> dict | None:
@@ -33,62 +39,13 @@ def _unmerged_lora(lora: LoRAConfig) -> dict | None:
     return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
-@dataclass
-class Rollouts:
-    prompt_ids: list[list[int]]
-    """One entry per completion (prompts repeated n times, group-contiguous)."""
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    """Generator logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
-    weight_version: int
-    generate_s: float = 0.0
-    """Seconds the engine spent on this batch."""
-    idle_s: float = 0.0
-    """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
-    loss_mask: list[list[int]] | None = None
-    """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
-
-    @staticmethod
-    def concat(parts: list["Rollouts"]) -> "Rollouts":
-        """Rollouts of consecutive prompt blocks (one per generator replica) as one batch, in block order.
-
-        All parts come from one weight version: every replica applies the same
-        syncs between the same requests. ``generate_s`` is the slowest part's
-        (the batch is ready when it is); ``idle_s`` the mean over the parts.
-        """
-        assert len({p.weight_version for p in parts}) == 1, [p.weight_version for p in parts]
-        masks = None
-        if any(p.loss_mask is not None for p in parts):
-            masks = [m for p in parts for m in (p.loss_mask or [[1] * len(c) for c in p.completion_ids])]
-        return Rollouts(
-            prompt_ids=[x for p in parts for x in p.prompt_ids],
-            completion_ids=[x for p in parts for x in p.completion_ids],
-            logprobs=[x for p in parts for x in p.logprobs],
-            weight_version=parts[0].weight_version,
-            generate_s=max(p.generate_s for p in parts),
-            idle_s=sum(p.idle_s for p in parts) / len(parts),
-            loss_mask=masks,
-        )
-
-
-def prompt_blocks(prompts: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous [start, end) blocks of ``prompts``, sizes differing by at most one (larger first)."""
-    size, extra = divmod(prompts, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + size + (i < extra))
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 @contextlib.contextmanager
 def _cycle_collector_paused():
     """Python's cycle collector off for a generate, back on (if it was) after.
 
-    vLLM keeps a Logprob object per sampled token until its request ends (~130k
-    for 64 x 8 x 256 tokens), which set the collector off about 9 times a
-    generate, each full pass walking every live object: 0.6-1.5 s of a 5-8 s
-    generate on an H100 (scripts/gpu/gen_drift.py), the more once the trainer's
-    torch.compile has added its graphs. Refcounting still frees everything
+    vLLM keeps a Logprob object per sampled token until its request ends, and the
+    collector's full passes over them cost a sizeable part of a generate
+    (docs/design.md, "Why the code looks this way"). Refcounting still frees everything
     acyclic at once; cycles made meanwhile wait for the next collection.
     """
     enabled = gc.isenabled()
@@ -161,7 +118,7 @@ class Generator:
             model_dir = Path(workdir) / "generator_model"
             model_dir.mkdir(parents=True, exist_ok=True)
             (model_dir / "config.json").write_text(json.dumps(shape.to_hf_config(), indent=1))
-        self.engine = compat.build_llm_engine(
+        self.engine = build_engine(
             model=str(model_dir),
             load_format=config.load_format,
             hf_overrides={
@@ -301,11 +258,9 @@ class Generator:
             logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
         return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
 
-    # The loop's interface (generator/base.py), so that a one-process caller can use a Generator directly.
+    # The loop's interface (rollout/base.py), so that a one-process caller can use a Generator directly.
     rollouts = generate
 
     def submit(self, prompts: list[list[int]], **generate_kwargs):
-        """Generate now; a Pending of generator/base.py."""
-        from torchtitan_rl.generator.base import Done
-
+        """Generate now; a Pending of rollout/base.py."""
         return Done(self.generate(prompts, **generate_kwargs))

@@ -38,7 +38,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from torchtitan_rl.generator.generator import Generator, WeightsNotSyncedError
+from torchtitan_rl.engine.generator import Generator, WeightsNotSyncedError
 
 
 @dataclass
