@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
-from torchtitan_rl.config.loader import effective_task, redacted_dict, tokenizer_dir
+from torchtitan_rl.config.validation import effective_task, redacted_dict, tokenizer_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,7 +233,7 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
 
 
 def run_task(cfg: JobConfig):
-    """The run's task (config.loader.effective_task) built with the task section and its tokenizer folder
+    """The run's task (config.validation.effective_task) built with the task section and its tokenizer folder
     (task.tokenizer, else the checkpoint's)."""
     from torchtitan_rl.grpo import build_task
     from torchtitan_rl.models.hf_folder import check_hf_folder
