@@ -40,10 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
             run(cfg)
-    # After a successful run only (as torchtitan: after a failure some ranks may
-    # still be inside a collective). Left to interpreter teardown, gloo's worker
-    # threads can still hold tensors and abort a finished rank (SIGABRT, "terminate
-    # called without an active exception", seen once in a 3-process CPU run).
+    # After a successful run only (after a failure some ranks may still be inside a collective); left to
+    # interpreter teardown, gloo's worker threads can abort a finished rank (docs/design.md).
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -174,16 +172,9 @@ def run(cfg: JobConfig) -> list[dict]:
                 trainer.save_checkpoint(step + 1, extra=queue.state_dict(),
                                         files={"config.toml": to_toml(cfg)})  # what a resume compares its config with
 
-        if evaluator and start < cfg.trainer.steps:
-            final_evaluation(cfg, evaluator, generator, trainer, logger)
-        if export_dir is not None:  # every trainer rank: sharded tensors are gathered
-            from torchtitan_rl.export import export_hf
-
-            export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
-                      tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype)
-        plot = logger.close()
-        if rank == 0 and logger.history:
-            _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
+        _finish(cfg, evaluator=evaluator if start < cfg.trainer.steps else None, generator=generator,
+                trainer=trainer, logger=logger, shape=shape, export_dir=export_dir,
+                summary=rank == 0, start=start, started=started)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
     finally:
         if generator is not None:
@@ -201,6 +192,21 @@ def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
     if world is None:
         return ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=workdir)
     return RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
+
+
+def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, export_dir, summary: bool, start: int,
+            started: float) -> None:
+    """After the last step: held-out accuracy of the trained weights, the export, the plot and a summary line."""
+    if evaluator:
+        final_evaluation(cfg, evaluator, generator, trainer, logger)
+    if export_dir is not None:  # every trainer rank: sharded tensors are gathered
+        from torchtitan_rl.export import export_hf
+
+        export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
+                  tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype)
+    plot = logger.close()
+    if summary and logger.history:
+        _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
 
 
 def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -> None:
