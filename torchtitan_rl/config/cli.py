@@ -142,24 +142,35 @@ def _check_args(args: list[str]) -> None:
             if values == ["None"]:
                 continue
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        item_types = [tp]
-        if typing.get_origin(tp) is tuple:
-            item_types = list(typing.get_args(tp))
-            if item_types[-1] is Ellipsis:
-                item_types = [item_types[0]] * max(len(values), 1)
-        if len(values) < len(item_types):
-            n = len(item_types)
-            raise ValueError(f"{path}: expected {n} value{'s' if n > 1 else ''}")
+        if typing.get_origin(tp) is not tuple:
+            if not values:
+                raise ValueError(f"{path}: expected 1 value")
+            _check_value(path, values[0], tp, f"{path}: {{error}}")
+            continue
+        item_types = list(typing.get_args(tp))
+        if item_types[-1] is Ellipsis:  # any count, none included
+            item_types = [item_types[0]] * len(values)
+            bad = f"{path}: Could not find valid parse for arguments: {values}"
+        else:
+            if len(values) < len(item_types):
+                raise ValueError(f"{path}: expected {len(item_types)} values")
+            names = ", ".join(t.__name__ for t in item_types)
+            bad = f"{path}: Could not parse arguments {values} into tuple type typing.Tuple[{names}]"
         for text, item_type in zip(values, item_types):
-            if typing.get_origin(item_type) is Literal:
-                choices = typing.get_args(item_type)
-                if text not in [str(c) for c in choices]:
-                    raise ValueError(f"{path}: expected one of {', '.join(repr(c) for c in choices)}, got {text!r}")
-            elif item_type in (int, float):
-                try:
-                    item_type(text)
-                except ValueError as e:
-                    raise ValueError(f"{path}: {e}") from None
+            _check_value(path, text, item_type, bad)
+
+
+def _check_value(path: str, text: str, tp: type, bad: str) -> None:
+    """``text`` parses as ``tp`` (a number or a choice); else ValueError(bad, with {error} filled in)."""
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        if text not in [str(c) for c in choices]:
+            raise ValueError(f"{path}: expected one of {', '.join(repr(c) for c in choices)}, got {text!r}")
+    elif tp in (int, float):
+        try:
+            tp(text)
+        except ValueError as e:
+            raise ValueError(bad.replace("{error}", str(e))) from None
 
 
 def _prog() -> str:
