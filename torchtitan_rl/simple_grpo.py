@@ -1,17 +1,9 @@
 """GRPO, end to end: python -m torchtitan_rl.simple_grpo --config run_configs/cpu_tiny.toml
 
-Each step: sync -> generate -> score -> advantages -> recompute logprobs ->
-loss + optimizer step -> log. Every rank runs this file (torchrun for more
-than one). Where the vLLM generator runs is weight_sync.transport:
-"inplace", in trainer rank 0's process (generator/colocated.py); "nccl", on
-the last torchrun rank(s), each its own device (generator/remote.py; R
-replicas split each batch), the other ranks train; "server", a rollout server (python -m torchtitan_rl.serve) over
-HTTP (generator/server_client.py). The step body is the same for all three
-(generator/base.py is all it knows of them). With grpo.max_staleness = S > 0
-the rollouts of step k are requested S steps early, right after that step's
-sync, so the generator samples them while the trainer learns; each batch is
-then up to S weight versions old. Heavy imports stay inside ``run`` so that
---help and config errors are instant.
+Each step: sync -> generate -> score -> advantages -> recompute logprobs -> loss + optimizer step -> log.
+Every rank runs this file (torchrun for more than one); weight_sync.transport picks where the generator
+runs (docs/design.md, "The loop's layouts"), and the step body is the same for all. Heavy imports stay
+inside ``run`` so that --help and config errors are instant.
 """
 
 import functools

@@ -3,6 +3,8 @@
 Every field carries a one-line docstring: tyro shows it in ``--help``.
 Sections are plain dataclasses so that importing this module stays cheap
 (no torch, no vLLM): ``--help`` and config validation run in a second.
+Each section checks its own fields (``check(path)``); checks that need two
+sections or the world size are in validation.py.
 """
 
 import ipaddress
