@@ -16,6 +16,7 @@ from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 from torchtitan_rl.rollout.base import Rollouts
+from torchtitan_rl.rollout.queue import check_queued
 
 CPU_TINY = Path(__file__).resolve().parents[1] / "run_configs" / "cpu_tiny.toml"
 
@@ -118,10 +119,10 @@ def test_resume_refuses_queued_rollouts_older_than_the_staleness_bound():
     queued = [(5, [], Rollouts([[1]], [[2]], [[-0.5]], weight_version=4))]
     cfg = load_toml(CPU_TINY)
     cfg.grpo.max_staleness = 1
-    simple_grpo._check_queued(cfg, queued)
+    check_queued(cfg, queued)
     cfg.grpo.max_staleness = 0
     with pytest.raises(ValueError, match=r"grpo.max_staleness: the checkpoint holds rollouts for steps \[5\]"):
-        simple_grpo._check_queued(cfg, queued)
+        check_queued(cfg, queued)
 
 
 def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import LoRAConfig, load_toml
-from torchtitan_rl.config.loader import tokenizer_dir
+from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.distributed.dtensor import full
 from torchtitan_rl.folders import complete_or_absent
 from torchtitan_rl.job import run_shape, run_task

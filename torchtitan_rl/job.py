@@ -8,7 +8,7 @@ import os
 import torch
 
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.config.loader import effective_task, tokenizer_dir
+from torchtitan_rl.config.validation import effective_task, tokenizer_dir
 from torchtitan_rl.grpo import build_task
 from torchtitan_rl.grpo.tasks import check_vocabulary
 from torchtitan_rl.models.families import FLAVORS, resolve_shape
@@ -16,7 +16,7 @@ from torchtitan_rl.models.hf_folder import check_hf_folder
 
 
 def run_task(cfg: JobConfig):
-    """The run's task (config.loader.effective_task) built with the task section and its tokenizer folder
+    """The run's task (config.validation.effective_task) built with the task section and its tokenizer folder
     (task.tokenizer, else the checkpoint's)."""
     for field, folder in (("model.hf_checkpoint", cfg.model.hf_checkpoint), ("task.tokenizer", cfg.task.tokenizer)):
         if folder is not None:  # before transformers or safetensors read a file of it

@@ -1,8 +1,46 @@
 """What a run shows: JSONL + TensorBoard per step, a PNG plot and a summary at the end."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepMetrics:
+    """One training step's metrics.jsonl line: the fields in the line's key order, each dict field's
+    keys in its place (``as_dict``)."""
+
+    reward_mean: float
+    """Task reward of the step's first draw (comparable across recipes: no penalty, no refills)."""
+    reward_max: float
+    rollout: dict[str, float]
+    """Reward spread, response lengths, truncation (grpo.groups.rollout_metrics)."""
+    sampling: dict[str, float]
+    """Dynamic sampling's counts; {} when off."""
+    train: dict[str, float]
+    """Trainer.train_step's: loss, kl, clipping, gradient norm, entropy, ..."""
+    mismatch: dict[str, float]
+    importance: dict[str, float]
+    completion_tokens: float
+    """Generated this step, dynamic sampling's refills included."""
+    weight_version: int
+    staleness: int
+    gen_tokens_per_s: float
+    sync_s: float
+    generate_s: float
+    wait_rollouts_s: float
+    """What of sync + generate was not moving weights: the trainer waiting for its rollouts."""
+    generator_idle_s: float
+    train_s: float
+    step_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        flat: dict[str, float] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            flat.update(value if isinstance(value, dict) else {field.name: value})
+        return flat
 
 
 class MetricsLogger:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, load_toml
-from torchtitan_rl.config.loader import config_diff
+from torchtitan_rl.config.validation import config_diff
 from torchtitan_rl.trainer import checkpoint
 
 LATEST = "latest"

@@ -17,7 +17,7 @@ from torchtitan_rl.config import parse_args
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)
     with one_line_errors():
-        from torchtitan_rl.config.loader import check_serve
+        from torchtitan_rl.config.validation import check_serve
 
         check_serve(cfg)
         serve(cfg)

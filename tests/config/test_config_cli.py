@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import assert_one_line_error, run_cli
-from torchtitan_rl.config import load_toml, parse_args
+from torchtitan_rl.config import JobConfig, load_toml, parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -219,13 +219,13 @@ def _float_fields() -> list[str]:
     """Every float field of the tree (tuples of floats included), found by walking the dataclasses."""
     import typing
 
-    from torchtitan_rl.config.loader import _leaf_types
+    from torchtitan_rl.config.checks import leaf_types
 
     def is_float(tp) -> bool:
         args = typing.get_args(tp)
         return tp is float or float in args or (typing.get_origin(tp) is tuple and args[0] is float)
 
-    return sorted(path for path, tp in _leaf_types().items() if is_float(tp))
+    return sorted(path for path, tp in leaf_types(JobConfig).items() if is_float(tp))
 
 
 def test_float_field_walk_finds_the_known_ones():
@@ -239,9 +239,9 @@ def test_float_field_walk_finds_the_known_ones():
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("path", _float_fields())
 def test_every_float_field_refuses_nan_and_inf_by_name(tmp_path, capsys, path, value):
-    from torchtitan_rl.config.loader import _get
+    from torchtitan_rl.config.checks import get
 
-    default = _get(parse_args([]), path)
+    default = get(parse_args([]), path)
     n = len(default) if isinstance(default, tuple) else 1
     values = ["0.9"] * (n - 1) + [value]
     with pytest.raises(SystemExit) as exit:

@@ -17,7 +17,6 @@ from torchtitan_rl.config import (
     validate,
     write_toml,
 )
-from torchtitan_rl.config.loader import _flatten_box
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,17 +136,3 @@ def test_every_optional_field_defaults_to_none_so_toml_can_omit_it():
     fields = dict(_optional_fields())
     assert "model.hf_checkpoint" in fields
     assert all(default is None for default in fields.values()), fields
-
-
-def test_flatten_box_fallback_gives_one_line():
-    box = (
-        "╭─ Value error ─────────────╮\n"
-        "│ Error parsing --trainer.steps: invalid │\n"
-        "│ literal for int(): 'x'    │\n"
-        "│ ───────────────────────── │\n"
-        "│ Argument helptext: ...    │\n"
-        "╰───────────────────────────╯\n"
-    )
-    assert _flatten_box(box) == (
-        "Value error: Error parsing --trainer.steps: invalid literal for int(): 'x'"
-    )

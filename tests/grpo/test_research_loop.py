@@ -53,11 +53,11 @@ def test_evaluation_samples_and_per_level_rewards_reach_jsonl_and_tensorboard(tm
     cfg.eval.every_n_steps, cfg.metrics.samples_per_eval = 2, 3
     history = run(cfg)
 
-    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (tmp_path / "latest" / "samples.jsonl").read_text().splitlines()]
     # Before the first step and after the last, 3 completions each, with the weights that wrote them.
     assert [(s["step"], s["version"]) for s in samples] == [(0, 0)] * 3 + [(2, 2)] * 3
     assert all(s["prompt"] and isinstance(s["completion"], str) and s["reward"] == 0.0 for s in samples)
-    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events = EventAccumulator(str(tmp_path / "latest" / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     assert "samples/text_summary" in events.Tags()["tensors"]
     for r in history:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import free_port
 from torchtitan_rl.config import JobConfig, load_toml, to_toml
-from torchtitan_rl.config.loader import check_serve, redacted_dict
+from torchtitan_rl.config.validation import check_serve, redacted_dict
 from torchtitan_rl.rollout.server_client import ServerClient, ServerGone
 
 

@@ -3,10 +3,15 @@
 Every field carries a one-line docstring: tyro shows it in ``--help``.
 Sections are plain dataclasses so that importing this module stays cheap
 (no torch, no vLLM): ``--help`` and config validation run in a second.
+Each section checks its own fields (``check(path)``); checks that need two
+sections or the world size are in validation.py.
 """
 
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal
+
+from torchtitan_rl.config.checks import at_least, in_range, positive, positive_float
 
 
 @dataclass(kw_only=True)
@@ -39,6 +44,16 @@ class LoRAConfig:
     sync: Literal["adapter", "merged"] = "adapter"
     """adapter: base once, then only the adapter (unmerged in the generator); merged: W + BA in full."""
 
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "rank")
+        in_range(self, path, "dropout", 0, 1, "[0, 1)")
+        if self.rank and self.alpha <= 0:
+            raise ValueError(f"{path}.alpha: must be > 0, got {self.alpha}")
+        known = {"wqkv", "wo", "w1", "w2", "w3"}
+        unknown = [m for m in self.target_modules if m not in known]
+        if unknown or (self.rank and not self.target_modules):
+            raise ValueError(f"{path}.target_modules: unknown {unknown or 'empty'}; choose from {sorted(known)}")
+
 
 @dataclass(kw_only=True)
 class ModelConfig:
@@ -55,6 +70,11 @@ class ModelConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Low-rank adapters: train only these, the base stays frozen."""
 
+    def check(self, path: str) -> None:
+        positive(self, path, "max_seq_len")
+        at_least(self, path, 0, "vocab_size")
+        self.lora.check(f"{path}.lora")
+
 
 @dataclass(kw_only=True)
 class ParallelismConfig:
@@ -66,6 +86,22 @@ class ParallelismConfig:
     """Trainer: DDP (replicate) degree. Generator: replicas R, each a whole vLLM engine on its own rank and device (weight_sync.transport nccl: the last R torchrun ranks; each batch's prompts split over them in contiguous blocks, one broadcast per bucket feeds all)."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (generator: vLLM tensor_parallel_size; must be 1 for now, docs/scaling.md)."""
+
+    def check(self, path: str, *, world_size: int, exact: bool) -> None:
+        """exact: shard * replicate * tp must equal world_size (trainer); else divide it."""
+        shard, rep, tp = self.data_parallel_shard_degree, self.data_parallel_replicate_degree, self.tensor_parallel_degree
+        if shard != -1 and shard < 1:
+            raise ValueError(f"{path}.data_parallel_shard_degree: must be -1 (infer) or >= 1, got {shard}")
+        at_least(self, path, 1, "data_parallel_replicate_degree", "tensor_parallel_degree")
+        if shard == -1 or not exact:
+            used = rep * tp * max(shard, 1)
+            if world_size % used:
+                raise ValueError(f"{path}: degrees multiply to {used}, which does not divide world size {world_size}")
+        elif shard * rep * tp != world_size:
+            raise ValueError(
+                f"{path}: data_parallel_shard_degree ({shard}) * data_parallel_replicate_degree "
+                f"({rep}) * tensor_parallel_degree ({tp}) = {shard * rep * tp} != world size {world_size}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -81,6 +117,12 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     """Decoupled weight decay."""
 
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "lr", "weight_decay", "eps")
+        for i, beta in enumerate(self.betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"{path}.betas[{i}]: must be in [0, 1), got {beta}")
+
 
 @dataclass(kw_only=True)
 class LRSchedulerConfig:
@@ -90,6 +132,10 @@ class LRSchedulerConfig:
     """Shape of the schedule after warmup."""
     min_lr_ratio: float = 0.0
     """Final learning rate as a fraction of the peak (linear and cosine)."""
+
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "warmup_steps")
+        in_range(self, path, "min_lr_ratio", 0, 1, "[0, 1]")
 
 
 @dataclass(kw_only=True)
@@ -102,6 +148,10 @@ class CheckpointConfig:
     """Sub-folder of job.output_dir holding step-N checkpoints."""
     keep_latest: int = 2
     """How many complete checkpoints to keep; 0 keeps all."""
+
+    def check(self, path: str) -> None:
+        positive(self, path, "interval")
+        at_least(self, path, 0, "keep_latest")
 
 
 @dataclass(kw_only=True)
@@ -133,6 +183,16 @@ class TrainerConfig:
     collective_timeout_s: float = 3600.0
     """Seconds a trainer collective may wait for the other trainer ranks, e.g. while rank 0 generates and scores a step; then the run ends naming it."""
 
+    def check(self, path: str) -> None:
+        """The section's own fields; its parallelism needs the world size (config.validation)."""
+        positive(self, path, "steps", "micro_batch_size")
+        at_least(self, path, 0, "max_grad_norm", "micro_batch_tokens", "recompute_micro_batch_tokens",
+                 "logprob_chunk_tokens")
+        positive_float(self, path, "collective_timeout_s")
+        self.checkpoint.check(f"{path}.checkpoint")
+        self.optimizer.check(f"{path}.optimizer")
+        self.lr_scheduler.check(f"{path}.lr_scheduler")
+
 
 @dataclass(kw_only=True)
 class SamplingConfig:
@@ -144,6 +204,14 @@ class SamplingConfig:
     """Top-k cut-off; -1 disables it (>= 1: as top_p < 1)."""
     max_tokens: int = 8
     """Completion length limit in tokens."""
+
+    def check(self, path: str) -> None:
+        positive(self, path, "max_tokens")
+        # vLLM's range is [0, 2], but 0 (greedy) has no distribution the trainer could score: logits / 0.
+        in_range(self, path, "temperature", 0, 2, "(0, 2]")
+        in_range(self, path, "top_p", 0, 1, "(0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"{path}.top_k: must be -1 (off) or >= 1, got {self.top_k}")
 
 
 @dataclass(kw_only=True)
@@ -170,6 +238,14 @@ class GeneratorConfig:
     """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling settings for rollouts."""
+
+    def check(self, path: str) -> None:
+        """The section's own fields; its parallelism needs the world size (config.validation)."""
+        positive(self, path, "max_model_len", "max_num_seqs")
+        at_least(self, path, 0, "wait_for_weights_s")
+        in_range(self, path, "gpu_memory_utilization", 0, 1, "(0, 1]")
+        positive_float(self, path, "kv_cache_memory_gb")
+        self.sampling.check(f"{path}.sampling")
 
 
 @dataclass(kw_only=True)
@@ -217,6 +293,17 @@ class GRPOConfig:
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (the policy's token entropy, aggregated as the loss) subtracted from the loss; 0: entropy is only measured."""
 
+    def check(self, path: str) -> None:
+        positive(self, path, "prompts_per_step", "epochs", "mini_batches")
+        at_least(self, path, 2, "group_size")
+        at_least(self, path, 0, "kl_coef", "max_staleness", "overlong_penalty", "entropy_coef")
+        if not self.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
+            raise ValueError(f"{path}.importance_cap: must be > 1, got {self.importance_cap}")
+        in_range(self, path, "clip_eps_low", 0, 1, "[0, 1)")
+        in_range(self, path, "clip_eps_high", 0, 1, "[0, 1)")
+        if self.dynamic_sampling:
+            positive(self, path, "dynamic_sampling_max_rounds")
+
 
 @dataclass(kw_only=True)
 class TaskConfig:
@@ -247,6 +334,15 @@ class TaskConfig:
     answer_field: str = "answer"
     """dataset: field holding the answer; GSM8K's '... #### 42' gives 42."""
 
+    def check(self, path: str) -> None:
+        """The section's own fields; what grpo.task needs of it is checked in config.validation."""
+        at_least(self, path, 0, "format_reward_weight")
+        positive(self, path, "heldout_size", "max_turns")
+        in_range(self, path, "heldout_fraction", 0, 1, "[0, 1)")
+        bad = [level for level in self.levels if not 1 <= level <= 5]
+        if bad or not self.levels:
+            raise ValueError(f"{path}.levels: each must be in 1..5, got {list(self.levels)}")
+
 
 @dataclass(kw_only=True)
 class EvalConfig:
@@ -258,6 +354,9 @@ class EvalConfig:
     """Completion length limit during evaluation; 0 takes generator.sampling.max_tokens."""
     mean_at_k: int = 0
     """Also sample k completions per problem at the training temperature and report mean accuracy; 0: off."""
+
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "every_n_steps", "num_prompts", "max_tokens", "mean_at_k")
 
 
 @dataclass(kw_only=True)
@@ -277,6 +376,9 @@ class MetricsConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases, beside metrics.jsonl and TensorBoard."""
 
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "samples_per_eval")
+
 
 @dataclass(kw_only=True)
 class WeightSyncConfig:
@@ -292,6 +394,22 @@ class WeightSyncConfig:
     """Tensors compared per sync when verify is sampled."""
     peer_timeout_s: float = 1800.0
     """transport=nccl or server: seconds one side waits for the other (engine start, a step) before it gives up."""
+
+    def check(self, path: str) -> None:
+        positive(self, path, "verify_samples", "bucket_mb")
+        positive_float(self, path, "peer_timeout_s")
+
+
+SECRETS = {"serve.token": "TORCHTITAN_RL_SERVE_TOKEN", "serve.api_key": "TORCHTITAN_RL_API_KEY"}
+"""Secret fields and the environment variables that may hold them; config.toml shows them as REDACTED."""
+REDACTED = "<redacted>"
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 @dataclass(kw_only=True)
@@ -325,6 +443,24 @@ class ServeConfig:
     max_n: int = 4096
     """Most completions one request may ask for (n times the number of prompts); a training step asks for
     grpo.prompts_per_step x grpo.group_size in one request."""
+
+    def check(self, path: str) -> None:
+        """Ports, secrets and limits (secrets already filled from the environment: config.validation.check_serve)."""
+        for name in ("port", "sync_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{path}.{name}: must be a TCP port in [0, 65535], got {getattr(self, name)}")
+        if self.port == 0:
+            raise ValueError(f"{path}.port: must be set (the trainer and clients connect to it), got 0")
+        if (self.sync_port or self.port + 1) in (self.port, 65536):
+            raise ValueError(f"{path}.sync_port: {self.sync_port or self.port + 1} is not a free second port "
+                             f"beside serve.port {self.port}; set serve.sync_port")
+        if not self.token:
+            raise ValueError(f"{path}.token: set a shared secret (or TORCHTITAN_RL_SERVE_TOKEN); the trainer's "
+                             "control requests and sync messages must carry it")
+        if not self.api_key and not _loopback(self.host):
+            raise ValueError(f"{path}.api_key: required when serve.host ({self.host}) is reachable beyond this "
+                             "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
+        positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests")
 
 
 @dataclass(kw_only=True)

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
-from torchtitan_rl.config.loader import tokenizer_dir
+from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
 from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse

@@ -132,7 +132,7 @@ class Trainer:
         self._chunk_tokens = 0
         """>0: the model returns final hidden states and logprobs come from trainer/logprobs.py."""
         if config.logprob_chunk_tokens and not batch_invariant and self.parallel_dims.tp == 1:
-            assert not hasattr(model.lm_head, "lora_a"), "lm_head is no LoRA target (config.loader checks)"
+            assert not hasattr(model.lm_head, "lora_a"), "lm_head is no LoRA target (config.validation checks)"
             self._chunk_tokens = config.logprob_chunk_tokens
             # The lm_head module stays in the forward (FSDP's hooks unshard its weight and
             # keep it unsharded for the backward), but returns its input: the matmul is ours.

@@ -1,0 +1,210 @@
+"""Checks across config sections, and what a run derives from several of them.
+
+Each section checks its own fields (``check`` in job_config.py); here is only
+what needs two sections or the torchrun world size. Every user mistake is a
+``ValueError("field.path: message")``.
+"""
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from torchtitan_rl.config.checks import check_finite, get, leaf_types, positive
+from torchtitan_rl.config.job_config import REDACTED, SECRETS, JobConfig
+
+_SECTIONS = ("trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
+
+
+def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
+    """Raise ValueError("field.path: message") for impossible settings."""
+    check_finite(cfg)
+    for name in _SECTIONS:
+        getattr(cfg, name).check(name)
+
+    sampling = cfg.generator.sampling
+    if (sampling.top_p < 1 or sampling.top_k != -1) and cfg.grpo.importance_correction != "off":
+        # vLLM reports logprobs of the truncated distribution it samples from, the trainer scores the full
+        # one: rho = pi_old / pi_generator would shrink every kept token by the mass cut off (docs/design.md).
+        raise ValueError(
+            f"grpo.importance_correction: '{cfg.grpo.importance_correction}' needs the generator's logprobs of the "
+            f"full distribution, but generator.sampling.top_p {sampling.top_p} / top_k {sampling.top_k} make "
+            "them the truncated one's; set top_p 1 and top_k -1, or importance_correction 'off'"
+        )
+    if cfg.grpo.overlong == "soft_penalty" and not 0 < cfg.grpo.overlong_buffer <= sampling.max_tokens:
+        raise ValueError(f"grpo.overlong_buffer: must be in [1, generator.sampling.max_tokens "
+                         f"{sampling.max_tokens}], got {cfg.grpo.overlong_buffer}")
+    max_tokens, max_len = sampling.max_tokens, cfg.generator.max_model_len
+    if max_tokens >= max_len:
+        raise ValueError(
+            f"generator.sampling.max_tokens: {max_tokens} leaves no room for a prompt in "
+            f"generator.max_model_len {max_len}"
+        )
+    if max_len > cfg.model.max_seq_len:
+        raise ValueError(
+            f"generator.max_model_len: {max_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"
+        )
+    if cfg.generator.load_format == "auto" and cfg.model.hf_checkpoint is None:
+        raise ValueError("generator.load_format: 'auto' needs model.hf_checkpoint to be set")
+
+    _check_task(cfg)
+    _check_eval(cfg)
+
+    replicas = cfg.generator.parallelism.data_parallel_replicate_degree
+    if cfg.weight_sync.transport == "nccl":
+        _check_own_rank_generator(cfg, world_size)
+        world_size -= replicas  # the last ranks hold the generator replicas; the trainer has the others
+    else:
+        if replicas != 1:
+            raise ValueError(
+                "generator.parallelism.data_parallel_replicate_degree: generator replicas each take a torchrun "
+                f"rank of their own (weight_sync.transport 'nccl'); with '{cfg.weight_sync.transport}' there is "
+                f"one engine, so it must be 1, got {replicas}"
+            )
+        cfg.generator.parallelism.check("generator.parallelism", world_size=world_size, exact=False)
+    if cfg.weight_sync.transport == "server":
+        check_serve(cfg)
+    cfg.trainer.parallelism.check("trainer.parallelism", world_size=world_size, exact=True)
+
+    if cfg.batch_invariant_mode:
+        _check_batch_invariant(cfg)
+
+
+def effective_task(cfg: JobConfig) -> str:
+    """The task this run trains on: grpo.task, or grpo.task_without_checkpoint on random weights."""
+    if cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None:
+        return cfg.grpo.task_without_checkpoint
+    return cfg.grpo.task
+
+
+def tokenizer_dir(cfg: JobConfig) -> str | None:
+    """The folder the run's task tokenizes with (and an export copies): task.tokenizer, else the checkpoint's."""
+    return cfg.task.tokenizer or cfg.model.hf_checkpoint
+
+
+def _check_task(cfg: JobConfig) -> None:
+    """What grpo.task needs of the task section (the files are read when the task is built)."""
+    task, name = cfg.task, effective_task(cfg).partition(":")[0]
+    if name in ("math", "calculator", "dataset") and tokenizer_dir(cfg) is None:
+        raise ValueError(
+            f"task.tokenizer: grpo.task '{name}' renders prompts with a chat template; set task.tokenizer "
+            "or model.hf_checkpoint to a folder with tokenizer.json"
+        )
+    if name == "dataset":
+        if task.path is None:
+            raise ValueError("task.path: grpo.task 'dataset' needs a JSONL or Parquet file")
+        for field in ("path", "heldout_path"):
+            path = getattr(task, field)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"task.{field}: file not found: {path}")
+
+
+def _check_eval(cfg: JobConfig) -> None:
+    if cfg.eval.max_tokens >= cfg.generator.max_model_len:
+        raise ValueError(
+            f"eval.max_tokens: {cfg.eval.max_tokens} leaves no room for a prompt in "
+            f"generator.max_model_len {cfg.generator.max_model_len}"
+        )
+    if cfg.eval.every_n_steps and effective_task(cfg).partition(":")[0] == "digits":
+        # Every digit string can be drawn for training: nothing is held out.
+        raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
+
+
+def _check_batch_invariant(cfg: JobConfig) -> None:
+    if cfg.model.dtype != "bfloat16":
+        raise ValueError(f"batch_invariant_mode: needs model.dtype 'bfloat16', got '{cfg.model.dtype}'")
+    tp_t = cfg.trainer.parallelism.tensor_parallel_degree
+    tp_g = cfg.generator.parallelism.tensor_parallel_degree
+    if tp_t != 1 or tp_g != 1:
+        # Row-parallel linears sum their shards in an all-reduce, on the trainer and in vLLM, in different orders.
+        raise ValueError(
+            "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree and "
+            f"generator.parallelism.tensor_parallel_degree 1, got {tp_t} and {tp_g} "
+            "(a sharded matmul reduces in a different order)"
+        )
+    s = cfg.generator.sampling
+    if s.top_p != 1.0 or s.top_k != -1:
+        # vLLM reports logprobs of the top-p/top-k renormalised distribution: the full-vocabulary recompute differs.
+        raise ValueError(
+            f"batch_invariant_mode: needs generator.sampling.top_p 1 and top_k -1, got {s.top_p} and {s.top_k}"
+        )
+    if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+        raise ValueError(
+            "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
+            "bitwise equal to the trainer's unmerged forward)"
+        )
+
+
+def redacted_dict(cfg: JobConfig) -> dict[str, Any]:
+    """The config as nested dicts with the secrets shown as REDACTED (for loggers that upload their run's config)."""
+    data = dataclasses.asdict(cfg)
+    for path in SECRETS:
+        table, name = path.split(".")
+        if data[table][name]:
+            data[table][name] = REDACTED
+    return data
+
+
+def check_serve(cfg: JobConfig) -> None:
+    """The serve section, for the rollout server and for a trainer that uses it (transport=server).
+
+    Secrets not given (or read back redacted from a run's config.toml) are taken from the environment."""
+    for name, env in SECRETS.items():
+        field = name.split(".")[1]
+        if getattr(cfg.serve, field) in ("", REDACTED) and os.environ.get(env):
+            setattr(cfg.serve, field, os.environ[env])
+        if getattr(cfg.serve, field) == REDACTED:
+            raise ValueError(f"{name}: the config file shows it redacted; pass it with --{name} or {env}")
+    cfg.serve.check("serve")
+    positive(cfg.weight_sync, "weight_sync", "peer_timeout_s")
+    if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+        raise ValueError("model.lora.sync: 'merged' is not supported by the rollout server; use 'adapter'")
+    per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    if per_step > cfg.serve.max_n:
+        raise ValueError(f"serve.max_n: {cfg.serve.max_n} is less than the {per_step} completions a step asks for "
+                         "(grpo.prompts_per_step x grpo.group_size)")
+    for name in ("tensor_parallel_degree", "data_parallel_replicate_degree"):
+        if getattr(cfg.generator.parallelism, name) != 1:
+            raise ValueError(
+                f"generator.parallelism.{name}: the rollout server runs one engine on one device, "
+                f"so it must be 1, got {getattr(cfg.generator.parallelism, name)}"
+            )
+
+
+def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
+    """transport=nccl: trainer ranks + R generator replicas, one rank and one device each (rollout/remote.py)."""
+    par = cfg.generator.parallelism
+    replicas = par.data_parallel_replicate_degree
+    if replicas < 1:
+        raise ValueError(f"generator.parallelism.data_parallel_replicate_degree: must be >= 1, got {replicas}")
+    if world_size < replicas + 1:
+        ranks = "1 generator rank" if replicas == 1 else f"{replicas} generator replicas"
+        raise ValueError(
+            "weight_sync.transport: 'nccl' puts the generator on its own rank; run under torchrun with "
+            f">= {replicas + 1} processes (trainer ranks + {ranks}), got world size {world_size}"
+        )
+    if par.data_parallel_shard_degree != 1:
+        raise ValueError(
+            "generator.parallelism.data_parallel_shard_degree: a generator replica holds the whole model, so it "
+            f"must be 1, got {par.data_parallel_shard_degree} (more generator devices: "
+            "generator.parallelism.data_parallel_replicate_degree)"
+        )
+    if par.tensor_parallel_degree != 1:
+        # Not built: vLLM's TP group would have to span our torchrun ranks (docs/scaling.md).
+        raise ValueError(
+            "generator.parallelism.tensor_parallel_degree: weight_sync.transport 'nccl' gives each generator "
+            f"replica one rank and one device, so it must be 1, got {par.tensor_parallel_degree} (the generator's "
+            "torchtitan model is not sharded inside vLLM; more generator devices: "
+            "generator.parallelism.data_parallel_replicate_degree)"
+        )
+    if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
+        # NcclSender moves the trainer's tensors as they are; merging W + BA is WeightSync's (in place) only.
+        raise ValueError(
+            "model.lora.sync: 'merged' is not supported with weight_sync.transport 'nccl'; use 'adapter'"
+        )
+
+
+def config_diff(old: JobConfig, new: JobConfig) -> list[tuple[str, Any, Any]]:
+    """(field.path, old value, new value) of every leaf field that differs, in the tree's order."""
+    return [(path, get(old, path), get(new, path)) for path in leaf_types(JobConfig)
+            if get(old, path) != get(new, path)]

@@ -1,0 +1,90 @@
+"""The rollouts a run trains on, in step order: requested ahead (grpo.max_staleness), refilled, saved.
+
+Prompts and seeds are drawn in step order, so step k trains on the same
+prompts whatever grpo.max_staleness; docs/design.md ("Staleness") explains
+why requests made right after a sync are served with that sync's weights.
+"""
+
+import random
+from collections import deque
+
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.rollout.base import Done, Pending, RolloutGenerator, Rollouts
+from torchtitan_rl.grpo.groups import REFILL_SEED_OFFSET
+from torchtitan_rl.grpo.tasks.base import Prompt, Task
+
+
+class RolloutQueue:
+    """Requests in flight, oldest first, each ``(step, prompts, Pending)``; a checkpoint keeps them."""
+
+    def __init__(self, cfg: JobConfig, *, generator: RolloutGenerator, task: Task) -> None:
+        self.cfg, self.generator, self.task = cfg, generator, task
+        self.prompt_rng = random.Random(cfg.job.seed)
+        self.inflight: deque[tuple[int, list[Prompt], Pending]] = deque()
+        self.requested = 0
+        """The next step to request rollouts for."""
+
+    def next(self, step: int) -> tuple[list[Prompt], Rollouts]:
+        """Request rollouts up to max_staleness steps ahead (served with the weights just synced, while
+        the trainer learns), then wait for this step's, requested that many steps ago."""
+        cfg = self.cfg
+        while self.requested <= min(step + cfg.grpo.max_staleness, cfg.trainer.steps - 1):
+            ask = self.task.sample_prompts(cfg.grpo.prompts_per_step, generator=self.prompt_rng)
+            self.inflight.append((self.requested, ask, self._submit(ask, seed=self.requested)))
+            self.requested += 1
+        _, prompts, pending = self.inflight.popleft()
+        rollouts = pending.result()
+        # more stale only in the no-sync negative control
+        assert step - rollouts.weight_version <= cfg.grpo.max_staleness or not cfg.weight_sync.enable, (
+            step, rollouts.weight_version, cfg.grpo.max_staleness)
+        return prompts, rollouts
+
+    def refill(self, step: int, round_: int) -> tuple[list[Prompt], Rollouts]:
+        """Dynamic sampling's extra draw: its own RNG per (seed, step, round), so the step's prompts
+        do not depend on max_staleness; sampled now, with the current weights."""
+        cfg = self.cfg
+        more = self.task.sample_prompts(cfg.grpo.prompts_per_step,
+                                        generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
+        return more, self._submit(more, seed=REFILL_SEED_OFFSET * round_ + step).result()
+
+    def _submit(self, prompts: list[Prompt], *, seed: int) -> Pending:
+        cfg = self.cfg
+        return self.task.submit(  # a multi-turn task plays whole episodes
+            self.generator, prompts, n=cfg.grpo.group_size, seed=cfg.job.seed * 1_000_003 + seed,
+            sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
+        )
+
+    def state_dict(self) -> dict:
+        """The prompt stream and the rollouts requested for later steps (waited for: the weights they
+        were sampled with are gone, so they could not be drawn again)."""
+        return {
+            "prompt_rng": self.prompt_rng.getstate(),
+            "task": self.task.state_dict(),  # a dataset's place in its epoch
+            "queued": [(j, prompts, pending.result()) for j, prompts, pending in self.inflight],
+        }
+
+    def load_state_dict(self, state: dict, *, step: int) -> None:
+        """Resume at ``step`` from what ``state_dict`` saved."""
+        self.prompt_rng.setstate(_tuples(state["prompt_rng"]))
+        self.task.load_state_dict(state.get("task", {}))
+        queued = state.get("queued", [])
+        check_queued(self.cfg, queued)
+        self.inflight = deque((j, prompts, Done(r)) for j, prompts, r in queued)
+        self.requested = step + len(self.inflight)
+
+
+def check_queued(cfg: JobConfig, queued: list) -> None:
+    """Rollouts a checkpoint queued must fit this run's staleness bound (they cannot be drawn again)."""
+    S = cfg.grpo.max_staleness
+    too_old = [(j, r.weight_version) for j, _, r in queued if j - r.weight_version > S]
+    if too_old and cfg.weight_sync.enable:
+        raise ValueError(
+            f"grpo.max_staleness: the checkpoint holds rollouts for steps {[j for j, _ in too_old]} sampled with "
+            f"weight versions {[v for _, v in too_old]}, older than max_staleness {S} allows; resume with the "
+            "grpo.max_staleness the run was saved with"
+        )
+
+
+def _tuples(state):
+    """random.Random state after a JSON-like round trip: lists back to tuples."""
+    return tuple(_tuples(s) for s in state) if isinstance(state, (list, tuple)) else state
