@@ -70,7 +70,8 @@ def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_p
     proc = _start(tmp_path, 3, "--weight_sync.transport", "nccl", "--trainer.steps", "500")
     try:
         deadline = time.monotonic() + 300
-        while not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text():
+        metrics = tmp_path / "latest" / "metrics.jsonl"  # runs.py: the run's folder is output_dir/latest
+        while not metrics.exists() or not metrics.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.2)  # training: every rank is in its loop (the generator serving, the trainers waiting)
         ranks = psutil.Process(proc.pid).children()

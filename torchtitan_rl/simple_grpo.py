@@ -73,7 +73,7 @@ def run(cfg: JobConfig) -> list[dict]:
             serve(cfg, world=world, shape=shape, workdir=plan.folder)
             return []
     else:
-        init_process_group(device)  # the Trainer reuses it
+        init_process_group(device, timeout_s=cfg.trainer.collective_timeout_s)  # the Trainer reuses it
     # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
     plan = agree(cfg, store=world.store if world else None)
     out = plan.folder
