@@ -29,7 +29,7 @@ EXIT_S = 5.0
 class SlowRank0Digits(DigitsTask):
     """The digits task, but rank 0's first reward takes SLOW_S seconds: a long generate + score step."""
 
-    SLOW_S = 30.0
+    SLOW_S = 90.0
 
     def __init__(self) -> None:
         super().__init__(mode="copy")

@@ -31,9 +31,17 @@ def main(argv: list[str] | None = None) -> None:
         exits.done()
     else:
         with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
-            run(cfg)
+            try:
+                run(cfg)
+            except BaseException:
+                _destroy_process_group()  # one process: no peer waits; left to teardown gloo's threads can abort
+                raise
     # After a successful run only (after a failure some ranks may still be inside a collective); left to
     # interpreter teardown, gloo's worker threads can abort a finished rank (docs/design.md).
+    _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
