@@ -83,7 +83,7 @@ def build_llm_engine(
             kwargs["attention_backend"] = "FLASH_ATTN"
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
-    _keep_default_group_on_engine_shutdown()
+    _keep_groups_while_their_world_lives()
     # vLLM's batch-invariant mode sets NCCL_PROTO, NCCL_MAX_NCHANNELS, ... in
     # this process for its own collectives (a one-GPU engine has none). A
     # communicator this process creates later (a trainer group of rank 0,
@@ -91,28 +91,50 @@ def build_llm_engine(
     nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     try:
         with _private_world():
-            return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+            engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
+        _remember_world()
+        return engine
     finally:
         for k in [k for k in os.environ if k.startswith("NCCL_") and k not in nccl_env]:
             del os.environ[k]
         os.environ.update(nccl_env)
 
 
-def _keep_default_group_on_engine_shutdown() -> None:
-    """An in-process engine's shutdown must not take groups others still use.
+# vLLM's process-global groups (parallel_state's module globals).
+_VLLM_GROUPS = ("_WORLD", "_TP", "_ETP", "_PP", "_DP", "_EP", "_EPLB", "_DCP", "_PCP", "_ENGRAM_DP", "_INNER_DP_WORLD")
+
+
+def _keep_groups_while_their_world_lives() -> None:
+    """An in-process engine's shutdown must not take groups others still use,
+    and a new engine must not reuse groups whose world is gone.
 
     vLLM's teardown destroys its model-parallel groups and then the default
     process group. Both are process-global: the default group is the
     trainer's, and the model-parallel groups serve every engine alive in this
-    process. Keep them for the life of the process; a later engine reuses them.
+    process, so they are kept. When the default group they were built over
+    has been destroyed since (a finished run in this process), vLLM's groups
+    are dead too: forget them, and this engine builds its own.
     """
+    import torch.distributed as dist
     import vllm.distributed.parallel_state as ps
 
-    if getattr(ps, "_torchtitan_rl_keeps_groups", False):
-        return
-    ps.destroy_model_parallel = lambda: None
-    ps.destroy_distributed_environment = lambda: None
-    ps._torchtitan_rl_keeps_groups = True
+    if not getattr(ps, "_torchtitan_rl_keeps_groups", False):
+        ps.destroy_model_parallel = lambda: None
+        ps.destroy_distributed_environment = lambda: None
+        ps._torchtitan_rl_keeps_groups = True
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if ps._WORLD is not None and getattr(ps, "_torchtitan_rl_world", None) is not world:
+        for name in _VLLM_GROUPS:
+            if hasattr(ps, name):
+                setattr(ps, name, None)
+
+
+def _remember_world() -> None:
+    """Record the default group vLLM's groups were just built over."""
+    import torch.distributed as dist
+    import vllm.distributed.parallel_state as ps
+
+    ps._torchtitan_rl_world = dist.group.WORLD if dist.is_initialized() else None
 
 
 @contextlib.contextmanager

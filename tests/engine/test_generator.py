@@ -121,3 +121,20 @@ def test_rollouts_report_engine_time_and_the_idle_time_before_them(unsynced):
     assert idle.idle_s >= 0.5 and idle.generate_s > 0
     # Only the moments around the sync call count (microseconds; the bound is the sync's 0.5 s).
     assert after_sync.idle_s < 0.5, after_sync.idle_s
+
+
+@pytest.mark.bf16_numerics
+def test_an_engine_built_after_its_process_group_was_destroyed_builds_its_own_groups(tmp_path):
+    """A finished run destroys the default process group, which vLLM's kept groups were built over
+    (simple_grpo.main, called in-process by tests and notebooks): the next engine in the process must
+    not reuse them ("Process group ... is not initialized in the world group map")."""
+    import torch.distributed as dist
+
+    first = make_generator(tmp_path / "a")
+    assert dist.is_initialized()
+    dist.destroy_process_group()
+    second = make_generator(tmp_path / "b")
+    model = trainer_model(seed=5)
+    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=second).sync(native_state(model), version=1)
+    assert_serves(second.generate(PROMPTS, n=1, seed=0), model)
+    del first
