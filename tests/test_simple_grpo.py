@@ -50,6 +50,7 @@ def _mean_reward(history: list[dict]) -> float:
     return sum(r["reward_mean"] for r in history) / len(history)
 
 
+@pytest.mark.slow
 def test_short_run_learns(tmp_path):
     cfg = _config(tmp_path, steps=STEPS)
     validate(cfg)
@@ -75,6 +76,7 @@ def test_short_run_learns(tmp_path):
     assert load_toml(run_dir / "config.toml") == cfg
 
 
+@pytest.mark.slow
 def test_without_weight_sync_the_run_does_not_learn(tmp_path):
     cfg = _config(tmp_path, steps=STEPS)
     cfg.weight_sync.enable = False
@@ -88,6 +90,7 @@ def test_without_weight_sync_the_run_does_not_learn(tmp_path):
     assert history[-1]["mismatch_mean"] > 20 * BF16_MISMATCH_MEAN
 
 
+@pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tmp_path):
     a = run(_config(tmp_path / "a", steps=6))
 

@@ -156,15 +156,36 @@ def test_nccl_async_resume_matches_uninterrupted_run(nccl_run):
 
 
 @pytest.mark.slow
-def test_nccl_batch_invariant_lora_run_has_zero_differing_tokens_every_step(tmp_path):
-    # One trainer rank + the generator rank. LoRA adapters: after the first sync only they move.
+def test_nccl_batch_invariant_lora_run_with_epochs_has_zero_differing_tokens_every_step(tmp_path):
+    # One trainer rank + the generator rank. LoRA adapters: after the first sync only they move. Four
+    # optimizer steps a batch (2 epochs x 2 mini-batches): one sync, one weight version a batch.
     _torchrun(2, tmp_path, *_args(OVERRIDES), "--weight_sync.transport", "nccl", "--batch-invariant-mode",
-              "--model.lora.rank", "8", "--trainer.optimizer.lr", "2e-2")
+              "--model.lora.rank", "8", "--trainer.optimizer.lr", "2e-2", "--grpo.epochs", "2",
+              "--grpo.mini_batches", "2")
     records = _records(tmp_path)
     assert [r["weight_version"] for r in records] == list(range(STEPS))
-    # Bitwise, also after adapter-only syncs (stale adapters would differ from the trainer's).
+    assert all(r["optimizer_steps"] == 4 for r in records), records
+    # Bitwise, also after adapter-only syncs (stale adapters would differ from the trainer's): pi_old, the
+    # trainer's logprobs at the batch's start, is what the generator sampled with.
     assert [r["mismatch_frac_tokens"] for r in records] == [0.0] * STEPS
     assert all(r["mismatch_max"] == 0.0 and r["grad_norm"] > 0 for r in records), records
+    # Later passes see the moved policy: the ratio leaves 1.
+    assert max(r["ratio_max"] for r in records) > 1.0, records
+
+
+@pytest.mark.slow
+def test_async_nccl_run_with_epochs_counts_staleness_in_weight_versions(tmp_path):
+    """grpo.max_staleness counts weight versions (one a batch), not optimizer steps (four a batch here)."""
+    steps = 4
+    _torchrun(2, tmp_path, *_args({**OVERRIDES, **ASYNC, "trainer.steps": steps}), "--weight_sync.transport", "nccl",
+              "--grpo.epochs", "2", "--grpo.mini_batches", "2")
+    records = _records(tmp_path)
+    assert [r["weight_version"] for r in records] == [0, 0, 1, 2]
+    assert [r["staleness"] for r in records] == [0, 1, 1, 1]
+    assert all(r["optimizer_steps"] == 4 and r["grad_norm"] > 0 for r in records), records
+    # pi_old is the trainer's own logprobs at the batch's start (its weights one version ahead of the
+    # sampler's): the importance weights correct for the sampler, the PPO ratio for the mini-batch steps.
+    assert max(r["ratio_max"] for r in records) > 1.0 and max(r["is_weight_max"] for r in records[1:]) > 1.0
 
 
 # -------------------------------------------------------------- user errors
@@ -247,6 +268,7 @@ def test_waits_for_a_dead_peer_end_with_a_clear_error():
     assert not store.check(["torchtitan_rl/generator/0/msg/0"])  # read messages are deleted
 
 
+@pytest.mark.slow
 def test_nccl_heldout_evaluation_runs_on_the_generator_rank(tmp_path, smollm2_dir):
     # The greedy SamplingConfig travels in the generate message to the generator rank. Asynchronous: each
     # evaluation is asked for while the next step's training request is in flight, and is answered after it.
