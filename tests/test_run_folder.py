@@ -91,7 +91,7 @@ def test_the_same_command_twice_keeps_both_runs_and_resume_continues_the_newest(
     out = capsys.readouterr().out
     assert "torchtitan_rl: resume: trainer.optimizer.lr 0.003 -> 0.0001 (changed since step-4)" in out
     assert f"resuming {run2.resolve()} from step-4" in out
-    assert "steps 0..6 (resumed at 4)" in out  # the summary covers the whole run
+    assert "steps 0..5 (resumed at 4)" in out  # the summary covers the whole run (steps 0 to 5)
     assert [(r["step"], r["lr"]) for r in records] == [(4, 1e-4), (5, 1e-4)]  # the new lr, not the saved one
     assert _steps(run2) == list(range(6))
     assert (run1 / "metrics.jsonl").read_text() == before

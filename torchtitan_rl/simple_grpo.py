@@ -225,7 +225,7 @@ def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -
         )
     print(
         f"torchtitan_rl: {held_out}mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
-        f"steps {history[0]['step']}..{cfg.trainer.steps}{f' (resumed at {start})' if start else ''}; "
+        f"steps {history[0]['step']}..{history[-1]['step']}{f' (resumed at {start})' if start else ''}; "
         f"wall {wall_s:.1f} s; metrics {logger.output_dir / 'metrics.jsonl'}; plot {plot}"
     )
 
