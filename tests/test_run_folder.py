@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import assert_one_line_error, run_cli, run_module
 from torchtitan_rl import simple_grpo
-from torchtitan_rl.config import JobConfig, load_toml
+from torchtitan_rl.config import JobConfig, load_toml, write_toml
 from torchtitan_rl.runs import check_changes, plan_run
 from torchtitan_rl.trainer import checkpoint
 
@@ -69,6 +69,29 @@ def test_resume_lists_changed_fields_and_refuses_what_cannot_change(capsys):
     saved.grpo.max_staleness = new.grpo.max_staleness = 1  # the checkpoint holds rollouts of 8 samples a prompt
     with pytest.raises(ValueError, match=r"^grpo.group_size: cannot change on resume \(the rollouts queued"):
         check_changes(saved, new, since="step-20")
+
+
+def test_resume_neither_prints_nor_compares_the_secrets(tmp_path, capsys):
+    saved = load_toml(CPU_TINY)
+    saved.serve.token = "s3cret-token"
+    write_toml(saved, tmp_path / "config.toml")  # as the run's config.toml: the token redacted
+    new = load_toml(CPU_TINY)
+    new.serve.token = "s3cret-token"  # from the CLI or TORCHTITAN_RL_SERVE_TOKEN on resume
+    new.serve.api_key = "other-key"
+    check_changes(load_toml(tmp_path / "config.toml"), new, since="step-4")
+    assert capsys.readouterr().out == ""
+
+
+def test_a_user_error_found_by_the_run_leaves_no_run_folder_and_latest_as_it_was(tmp_path):
+    cfg = _config(tmp_path / "out", steps=4)
+    assert plan_run(cfg).folder == tmp_path / "out" / "run-1"
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "mine.txt").write_text("not to be mixed with an export")
+    cfg.job.export_dir = str(tmp_path / "hf")
+    with pytest.raises(ValueError, match="^export: .* exists and is not empty"):
+        simple_grpo.run(cfg)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["latest", "run-1"]
+    assert (tmp_path / "out" / "latest").resolve() == (tmp_path / "out" / "run-1").resolve()
 
 
 @pytest.mark.slow

@@ -178,6 +178,28 @@ def test_heldout_evaluation_does_not_change_the_training_samples(tmp_path, smoll
     assert not (tmp_path / "off" / "latest" / "metrics.jsonl").read_text().count("eval_")
 
 
+@pytest.mark.slow
+def test_resumes_log_each_step_evaluation_and_sample_once_and_export_again(tmp_path, smollm2_dir):
+    def config(steps: int, resume: bool) -> JobConfig:
+        cfg = _chat_config(tmp_path, smollm2_dir, steps=steps)
+        cfg.eval.every_n_steps, cfg.metrics.samples_per_eval, cfg.job.export = 2, 2, True
+        cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval, cfg.resume = True, 2, resume
+        return cfg
+
+    run(config(2, False))
+    run(config(4, True))  # resumed at step 2, an evaluation step: its evaluation runs again
+    run(config(4, True))  # resumed at step 4, a finished run: only the final evaluation and the export run again
+    folder = tmp_path / "run-1"
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "eval_accuracy" not in r] == [0, 1, 2, 3]
+    assert [r["step"] for r in lines if "eval_accuracy" in r] == [0, 2, 4]
+    samples = [json.loads(line)["step"] for line in (folder / "samples.jsonl").read_text().splitlines()]
+    assert samples == [0, 0, 2, 2, 4, 4]
+    assert (folder / "hf" / "model.safetensors").is_file()  # each end of the run exported; the earlier set aside
+    assert {p.name for p in folder.iterdir() if p.name.startswith("hf.")} == {
+        "hf.before-resume-at-step-2", "hf.before-resume-at-step-4"}
+
+
 def test_dataset_resume_draws_the_prompts_of_an_uninterrupted_run(tmp_path, smollm2_dir):
     # 10 problems, 2 held out: 8 per epoch at 3 prompts per step, so the resumed
     # step 2 finishes epoch 1 (order from the checkpoint) and starts epoch 2.

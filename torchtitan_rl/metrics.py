@@ -48,9 +48,10 @@ class MetricsLogger:
 
     metrics.jsonl holds one line per step and one per held-out evaluation
     (the latter's keys start with ``eval_``). A resumed run (``resume_step``
-    K) keeps the lines of steps before K, drops the rest (logged by steps the
-    crash lost, which are trained again), and its history, plot and summary
-    cover the whole run; TensorBoard hides the dropped steps (``purge_step``).
+    K) keeps the lines of steps before K in metrics.jsonl and samples.jsonl,
+    drops the rest (logged by steps the crash lost, or by the final evaluation,
+    which run again), and its history, plot and summary cover the whole run;
+    TensorBoard hides the dropped steps (``purge_step``).
     """
 
     def __init__(self, output_dir: Path, *, enabled: bool, resume_step: int | None = None) -> None:
@@ -64,29 +65,13 @@ class MetricsLogger:
 
             self.output_dir.mkdir(parents=True, exist_ok=True)
             path = self.output_dir / "metrics.jsonl"
-            if resume_step is not None and path.is_file():
-                self._keep_before(path, resume_step)
+            if resume_step is not None:
+                for record in _keep_before(path, resume_step):
+                    is_eval = any(key.startswith("eval_") for key in record)
+                    (self.eval_history if is_eval else self.history).append(record)
+                _keep_before(self.output_dir / "samples.jsonl", resume_step)
             self._jsonl = open(path, "a")
             self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=resume_step)
-
-    def _keep_before(self, path: Path, step: int) -> None:
-        """Rewrite metrics.jsonl with its records of steps before ``step`` (atomically) and load them."""
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line a kill cut short: its step is trained again
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
-                kept.append(record)
-                is_eval = any(key.startswith("eval_") for key in record)
-                (self.eval_history if is_eval else self.history).append(record)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._write(step, metrics, self.history, tb_key=lambda key: key)
@@ -183,3 +168,24 @@ class MetricsLogger:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _keep_before(path: Path, step: int) -> list[dict]:
+    """Rewrite the JSONL file ``path`` (if any) with its records of steps before ``step``, atomically; returns them."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line a kill cut short: its step is trained again
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
+            kept.append(record)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept

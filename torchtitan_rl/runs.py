@@ -13,12 +13,14 @@ checkpoint was saved with. Rank 0 decides; every rank gets the same plan.
 import os
 import pickle
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, load_toml
+from torchtitan_rl.config.job_config import SECRETS
 from torchtitan_rl.config.validation import config_diff
 from torchtitan_rl.trainer import checkpoint
 
@@ -48,8 +50,6 @@ class RunPlan:
     """This run's folder (config, metrics, checkpoints)."""
     checkpoint: Path | None = None
     """The verified checkpoint a resume starts from; None: a new run from step 0."""
-    step: int = 0
-    """The first step to train (the checkpoint's step)."""
 
 
 def run_to_resume(output_dir: Path) -> Path | None:
@@ -66,8 +66,6 @@ def plan_run(cfg: JobConfig, *, say=print) -> RunPlan:
     """Rank 0: this run's folder (a new run-N, created) or the resumed run's, with its checkpoint."""
     out = Path(cfg.job.output_dir)
     folder = Path(cfg.trainer.checkpoint.folder)
-    if folder.is_absolute() or ".." in folder.parts:
-        raise ValueError(f"trainer.checkpoint.folder: must be a sub-folder of the run folder, got {folder}")
     if cfg.resume or cfg.resume_if_any:
         run, why = run_to_resume(out), f"{out} holds no run"
         if run is not None:
@@ -110,17 +108,22 @@ def _resume(cfg: JobConfig, run: Path, step: int, path: Path, *, say) -> RunPlan
         check_changes(load_toml(saved_config), cfg, since=f"step-{step}", say=say)
     for moved in checkpoint.set_aside_newer(path.parent, step):
         say(f"torchtitan_rl: {moved.name}: set aside (steps after {step} are trained again)")
+    if cfg.job.export and cfg.job.export_dir is None and (run / "hf").exists():  # the run ends again: a new export
+        aside = run / f"hf.before-resume-at-step-{step}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(run / "hf", aside)
+        say(f"torchtitan_rl: {run / 'hf'}: set aside as {aside.name} (the resumed run exports again)")
     if (run.parent / LATEST).is_symlink() and run.parent.joinpath(LATEST).resolve() != run:
         _point_latest(run)
     say(f"torchtitan_rl: resuming {run} from {path.name}")
-    return RunPlan(run, path, step)
+    return RunPlan(run, path)
 
 
 def check_changes(saved: JobConfig, cfg: JobConfig, *, since: str, say=print) -> None:
     """One line per field changed since the saved run; ValueError naming the first that cannot change."""
     queued = saved.grpo.max_staleness > 0
     for path, old, new in config_diff(saved, cfg):
-        if path in NOT_COMPARED:
+        if path in NOT_COMPARED or path in SECRETS:  # config.toml shows secrets redacted: never compared, never printed
             continue
         fixed = FIXED.get(path)
         if fixed is None and queued and path.startswith(FIXED_WITH_QUEUED):

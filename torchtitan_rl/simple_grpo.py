@@ -70,9 +70,13 @@ def run(cfg: JobConfig) -> list[dict]:
     task = run_task(cfg)
     shape = run_shape(cfg, task)
     world = None
+    # parse_args checked the config against torchrun's world; run(cfg) may come from Python.
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if cfg.job.export_dir is not None:
+        from torchtitan_rl.export import check_target
+
+        check_target(cfg.job.export_dir)  # before agree(): a user error leaves no new run folder behind
     if cfg.weight_sync.transport == "nccl":
-        # parse_args checked this layout against torchrun's world; run(cfg) may come from Python.
-        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
         world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree,
                            timeout_s=cfg.trainer.collective_timeout_s)
@@ -85,11 +89,7 @@ def run(cfg: JobConfig) -> list[dict]:
     # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
     plan = agree(cfg, store=world.store if world else None)
     out = plan.folder
-    export_dir = cfg.job.export_dir or (out / "hf" if cfg.job.export else None)
-    if export_dir is not None:
-        from torchtitan_rl.export import check_target
-
-        check_target(export_dir)  # before training, not after it
+    export_dir = cfg.job.export_dir or (out / "hf" if cfg.job.export else None)  # <run>/hf: new, or set aside
 
     def build_trainer() -> Trainer:
         return Trainer(
@@ -105,11 +105,7 @@ def run(cfg: JobConfig) -> list[dict]:
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
-    P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
-    if (P * G) % trainer.dp_size:
-        raise ValueError(
-            f"grpo.prompts_per_step * grpo.group_size ({P * G}) must divide over {trainer.dp_size} data-parallel ranks"
-        )
+    assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks the rows split"
     if rank == 0:
         write_toml(cfg, out / "config.toml")
         print(f"torchtitan_rl: run folder {out}")
@@ -139,7 +135,7 @@ def run(cfg: JobConfig) -> list[dict]:
             prompts, rollouts = queue.next(step)
             wait_s = time.perf_counter() - t_step - sync_s
             # held-out accuracy of the weights just synced; the training samples above are already drawn
-            if evaluator and evaluator.due(step, first=0):  # a resumed run evaluates where an uninterrupted one does
+            if evaluator and evaluator.due(step):  # a resumed run evaluates where an uninterrupted one does
                 logger.log_eval(step, evaluator.run(generator, step=step))
                 logger.log_samples(step, evaluator.samples)
             # 3-5. score, advantages, this rank's rows with pi_old recomputed
@@ -173,7 +169,8 @@ def run(cfg: JobConfig) -> list[dict]:
                 trainer.save_checkpoint(step + 1, extra=queue.state_dict(),
                                         files={"config.toml": to_toml(cfg)})  # what a resume compares its config with
 
-        _finish(cfg, evaluator=evaluator if start < cfg.trainer.steps else None, generator=generator,
+        # Also for a resume of a finished run (start == steps): its final evaluation's line was dropped above.
+        _finish(cfg, evaluator=evaluator, generator=generator,
                 trainer=trainer, logger=logger, shape=shape, export_dir=export_dir,
                 summary=rank == 0, start=start, started=started)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
@@ -237,8 +234,6 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
         generator.sync(trainer.sync_state(), version=version)
     logger.log_eval(version, evaluator.run(generator, step=version))
     logger.log_samples(version, evaluator.samples)
-
-
 
 
 if __name__ == "__main__":

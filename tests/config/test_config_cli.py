@@ -28,9 +28,10 @@ def toml(tmp_path):
 
 
 def test_unknown_toml_key_suggests_closest(toml):
-    line = assert_one_line_error(run_cli("--config", toml("[trainer.optimzer]\nlr = 1e-4\n")))
+    path = toml("[trainer.optimzer]\nlr = 1e-4\n")
+    line = assert_one_line_error(run_cli("--config", path))
     assert line == (
-        "config error: unknown key 'trainer.optimzer' (did you mean 'trainer.optimizer'?)"
+        f"config error: {path}: unknown key 'trainer.optimzer' (did you mean 'trainer.optimizer'?)"
     )
 
 
@@ -145,6 +146,16 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--task.levels", "0", "6"], 1, "task.levels: each must be in 1..5, got [0, 6]"),
         (["--task.heldout_fraction", "1"], 1, "task.heldout_fraction: must be in [0, 1)"),
         (["--task.format_reward_weight", "-1"], 1, "task.format_reward_weight: must be >= 0"),
+        (["--trainer.checkpoint.folder", "/abs", "--dry-run"], 1, "trainer.checkpoint.folder: must be a sub-folder"),
+        (["--trainer.checkpoint.folder", "../x", "--dry-run"], 1, "trainer.checkpoint.folder: must be a sub-folder"),
+        (
+            ["--grpo.prompts_per_step", "3", "--grpo.group_size", "3", "--dry-run"], 2,
+            "grpo.prompts_per_step: grpo.prompts_per_step x grpo.group_size (9) must divide over the 2",
+        ),
+        (
+            ["--grpo.prompts_per_step", "2", "--grpo.group_size", "2", "--grpo.mini_batches", "3", "--dry-run"], 2,
+            "grpo.mini_batches: 3 is more than the 2 rows each data-parallel trainer rank trains on",
+        ),
     ],
 )  # fmt: skip
 def test_impossible_combination_names_the_field(tmp_path, args, world_size, expected):

@@ -9,6 +9,7 @@ sections or the world size are in validation.py.
 
 import ipaddress
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Literal
 
 from torchtitan_rl.config.checks import at_least, in_range, positive, positive_float
@@ -145,13 +146,15 @@ class CheckpointConfig:
     interval: int = 50
     """Steps between checkpoints."""
     folder: str = "checkpoints"
-    """Sub-folder of job.output_dir holding step-N checkpoints."""
+    """Sub-folder of the run folder (job.output_dir/run-N) holding step-N checkpoints."""
     keep_latest: int = 2
     """How many complete checkpoints to keep; 0 keeps all."""
 
     def check(self, path: str) -> None:
         positive(self, path, "interval")
         at_least(self, path, 0, "keep_latest")
+        if PurePath(self.folder).is_absolute() or ".." in PurePath(self.folder).parts:
+            raise ValueError(f"{path}.folder: must be a sub-folder of the run folder, got {self.folder}")
 
 
 @dataclass(kw_only=True)

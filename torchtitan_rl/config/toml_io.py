@@ -20,7 +20,7 @@ from torchtitan_rl.config.job_config import REDACTED, SECRETS, JobConfig
 
 
 def load_toml(path: str | os.PathLike) -> JobConfig:
-    """Read a TOML file into a JobConfig; unknown keys and wrong types raise ValueError."""
+    """Read a TOML file into a JobConfig; unknown keys and wrong types raise ValueError naming the file and field."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -34,7 +34,10 @@ def load_toml(path: str | os.PathLike) -> JobConfig:
         line = re.search(r"line (\d+)", str(e))
         where = f"{path}:{line.group(1)}" if line else str(path)
         raise ValueError(f"{where}: invalid TOML: {e}") from None
-    return from_dict(data)
+    try:
+        return from_dict(data)
+    except ValueError as e:  # a run's or a checkpoint's config.toml as well as --config: say which file
+        raise ValueError(f"{path}: {e}") from None
 
 
 def from_dict(data: dict[str, Any]) -> JobConfig:

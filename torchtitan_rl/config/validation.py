@@ -65,6 +65,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.weight_sync.transport == "server":
         check_serve(cfg)
     cfg.trainer.parallelism.check("trainer.parallelism", world_size=world_size, exact=True)
+    _check_rows_per_rank(cfg, dp=world_size // cfg.trainer.parallelism.tensor_parallel_degree)
 
     if cfg.batch_invariant_mode:
         _check_batch_invariant(cfg)
@@ -108,6 +109,18 @@ def _check_eval(cfg: JobConfig) -> None:
     if cfg.eval.every_n_steps and effective_task(cfg).partition(":")[0] == "digits":
         # Every digit string can be drawn for training: nothing is held out.
         raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
+
+
+def _check_rows_per_rank(cfg: JobConfig, *, dp: int) -> None:
+    """A step's P x G rows split evenly over the ``dp`` data-parallel trainer ranks, and each rank's rows
+    into grpo.mini_batches non-empty parts (an empty part would silently skip an optimizer step)."""
+    rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    if rows % dp:
+        raise ValueError(f"grpo.prompts_per_step: grpo.prompts_per_step x grpo.group_size ({rows}) must divide "
+                         f"over the {dp} data-parallel trainer ranks")
+    if cfg.grpo.mini_batches > rows // dp:
+        raise ValueError(f"grpo.mini_batches: {cfg.grpo.mini_batches} is more than the {rows // dp} rows each "
+                         f"data-parallel trainer rank trains on (grpo.prompts_per_step x grpo.group_size / {dp})")
 
 
 def _check_batch_invariant(cfg: JobConfig) -> None:

@@ -37,9 +37,9 @@ class Evaluator:
         self.greedy = SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens)
         self.sampled = dataclasses.replace(sampling, max_tokens=max_tokens)
 
-    def due(self, step: int, *, first: int) -> bool:
-        """Before this process's first step and every eval.every_n_steps steps."""
-        return step == first or step % self.config.every_n_steps == 0
+    def due(self, step: int) -> bool:
+        """Before step 0 and every eval.every_n_steps steps (a resumed run evaluates where an uninterrupted one does)."""
+        return step % self.config.every_n_steps == 0
 
     def run(self, generator, *, step: int) -> dict[str, float]:
         """Evaluate the weights the generator serves now; every trainer rank calls it (rollouts is collective)."""
