@@ -141,3 +141,15 @@ def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank "), stderr[-3000:]
     assert f"export: {taken} exists and is not empty" in lines[0]
     assert "exitcode  : 2" in stderr  # torchrun's report of the first rank
+
+
+def test_a_user_error_rank_0_finds_ends_the_other_ranks_quietly(tmp_path):
+    """--resume with nothing to resume: rank 0 says why; rank 1 exits 2 with no line and no traceback file."""
+    out = tmp_path / "out"
+    proc = _start(tmp_path, 2, "--job.output_dir", str(out), "--resume")
+    _, stderr = proc.communicate(timeout=120)
+    lines = _our_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank 0: --resume: nothing to resume"), \
+        stderr[-3000:]
+    assert not out.exists()  # no error_rank1.txt with a SystemExit traceback
+    assert "exitcode  : 1" not in stderr

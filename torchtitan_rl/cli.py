@@ -74,7 +74,11 @@ class RankExits:
 
     def fail(self, error: BaseException, *, traceback_dir: Path) -> None:
         """End this rank for an exception out of the run (a ValueError: a user error, exit 2); a bug's
-        traceback goes to ``traceback_dir``/error_rank<R>.txt."""
+        traceback goes to ``traceback_dir``/error_rank<R>.txt. SystemExit: another rank says why (runs.agree)."""
+        if isinstance(error, SystemExit):
+            self.done()  # no failure of this rank's own: no line, no traceback, not a dead peer for the others
+            sys.stdout.flush()
+            os._exit(error.code if isinstance(error.code, int) else 1)
         dead = None
         if not isinstance(error, ValueError):  # a user error is this rank's own; anything else may be a lost peer's
             dead = self.dead_peer()
