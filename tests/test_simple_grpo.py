@@ -8,9 +8,11 @@ leave margin for other kernels or thread counts.
 
 import gc
 import json
+import pickle
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, run_cli
 from torchtitan_rl import simple_grpo
@@ -220,6 +222,23 @@ def test_dataset_resume_draws_the_prompts_of_an_uninterrupted_run(tmp_path, smol
     b = run(resumed)
     assert [r["step"] for r in b] == [2, 3]
     assert _training_metrics(b) == _training_metrics(a[2:])
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_refills_leave_the_dataset_epoch_position_alone(tmp_path, smollm2_dir):
+    rows = [{"question": f"What is {i} + {i + 1}?", "answer": f"#### {2 * i + 1}"} for i in range(10)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _chat_config(tmp_path / "out", smollm2_dir, steps=2, task="dataset", path=str(data), heldout_fraction=0.2)
+    cfg.grpo.dynamic_sampling, cfg.grpo.dynamic_sampling_max_rounds = True, 1
+    cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
+    history = run(cfg)
+    assert all(r["sampling_rounds"] == 1 for r in history)  # the random model's rewards are equal: refills ran
+    head = {"trainer": b""}
+    dcp.load(head, checkpoint_id=tmp_path / "out" / "latest" / "checkpoints" / "step-2")
+    task = pickle.loads(head["trainer"])["extra"]["task"]
+    # the main stream drew 2 steps x 3 of the 8 training records; the refills' 6 prompts moved nothing
+    assert (task["epoch"], task["position"], task["num_train"]) == (1, 6, 8)
 
 
 def test_cli_bad_dataset_line_is_one_line_and_exit_2(tmp_path, smollm2_dir):

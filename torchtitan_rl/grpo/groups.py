@@ -18,10 +18,6 @@ from torch import Tensor
 
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
 
-REFILL_SEED_OFFSET = 1 << 40
-"""Dynamic sampling's round r draws with seed base + r * this: clear of every step's and evaluation's seeds."""
-
-
 @dataclass
 class Groups:
     """Scored completions of whole groups, group-contiguous (group g: rows [g * G, (g + 1) * G))."""

@@ -10,8 +10,10 @@ from collections import deque
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.rollout.base import Done, Pending, RolloutGenerator, Rollouts
-from torchtitan_rl.grpo.groups import REFILL_SEED_OFFSET
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
+
+REFILL_SEED_OFFSET = 1 << 40
+"""Dynamic sampling's round r draws with seed base + r * this: clear of every step's and evaluation's seeds."""
 
 
 class RolloutQueue:
@@ -40,11 +42,12 @@ class RolloutQueue:
         return prompts, rollouts
 
     def refill(self, step: int, round_: int) -> tuple[list[Prompt], Rollouts]:
-        """Dynamic sampling's extra draw: its own RNG per (seed, step, round), so the step's prompts
-        do not depend on max_staleness; sampled now, with the current weights."""
+        """Dynamic sampling's extra draw: its own RNG per (seed, step, round), outside the main prompt stream
+        (a dataset's epoch position included), so the step's prompts do not depend on max_staleness; sampled
+        now, with the current weights."""
         cfg = self.cfg
-        more = self.task.sample_prompts(cfg.grpo.prompts_per_step,
-                                        generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
+        more = self.task.sample_extra_prompts(cfg.grpo.prompts_per_step,
+                                              generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
         return more, self._submit(more, seed=REFILL_SEED_OFFSET * round_ + step).result()
 
     def _submit(self, prompts: list[Prompt], *, seed: int) -> Pending:

@@ -51,6 +51,12 @@ class Task(ABC):
     def sample_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
         """Draw ``n`` prompts; all randomness comes from ``generator`` (reproducible runs)."""
 
+    def sample_extra_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
+        """Draw ``n`` prompts outside the main stream (dynamic sampling's refills): the state that
+        ``state_dict`` saves must not move. The built-in stateless tasks draw as ``sample_prompts``."""
+        assert not self.state_dict(), f"{type(self).__name__} keeps prompt state: override sample_extra_prompts"
+        return self.sample_prompts(n, generator=generator)
+
     @abstractmethod
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         """Score one completion, higher is better (the built-in tasks: [0, 1], plus an optional

@@ -142,6 +142,10 @@ class DatasetTask(ChatTask):
             self._position += 1
         return out
 
+    def sample_extra_prompts(self, n: int, *, generator: random.Random) -> list[Prompt]:
+        """Any ``n`` training records by ``generator``, without moving the epoch's position."""
+        return [self._train[generator.randrange(len(self._train))] for _ in range(n)]
+
     def _start_epoch(self, epoch: int, seed: int) -> None:
         self._epoch, self._epoch_seed, self._position = epoch, seed, 0
         self._order = list(range(len(self._train)))
