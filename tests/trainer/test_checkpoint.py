@@ -1,8 +1,12 @@
 """Checkpoints: exact resume, atomic step-N folders, keep_latest pruning."""
 
-import torch
+import pickle
 
-from torchtitan_rl.config.job_config import CheckpointConfig, GRPOConfig
+import torch
+import torch.distributed.checkpoint as dcp
+
+from torchtitan_rl.config.job_config import CheckpointConfig, GRPOConfig, LoRAConfig, ModelConfig
+from torchtitan_rl.trainer import checkpoint
 
 from .helpers import make_batch
 
@@ -30,6 +34,30 @@ def test_resume_is_bitwise_exact(make_trainer):
     assert [_step(resumed, seed) for seed in (2, 3, 4)] == uninterrupted
     for (name, a), b in zip(run.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
+
+
+def test_resume_with_lora_dropout_is_bitwise_exact(make_trainer):
+    lora = ModelConfig(lora=LoRAConfig(rank=4, dropout=0.5))
+    run = make_trainer(model_config=lora, steps=4)
+    _step(run, 0)
+    path = run.save_checkpoint(1)
+    uninterrupted = [_step(run, seed) for seed in (1, 2)]
+    resumed = make_trainer(model_config=lora, steps=4)  # building it seeds the global RNG again
+    resumed.load_checkpoint(path)
+    assert [_step(resumed, seed) for seed in (1, 2)] == uninterrupted  # the same dropout masks
+
+
+def test_checkpoint_without_rng_state_still_loads(make_trainer, tmp_path):
+    """A checkpoint written before the RNG states were saved: its trainer blob lacks them."""
+    run = make_trainer()
+    _step(run, 0)
+    blob = {"trainer_step": 1, "has_optimizer_state": False, "extra": {"k": 1}}
+    dcp.save({"model": checkpoint._model_state(run.model), "trainer": pickle.dumps(blob)},
+             checkpoint_id=tmp_path / "old")
+    resumed = make_trainer(seed=5)
+    assert resumed.load_checkpoint(tmp_path / "old") == {"k": 1} and resumed.step == 1
+    for a, b in zip(run.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
 
 
 def test_checkpoint_before_first_step_does_not_perturb_training(make_trainer, tmp_path):

@@ -148,12 +148,15 @@ def save(
     # Optimizer state exists only after the first step; asking torch for it
     # earlier would make it take a zero-lr step that advances Adam's step count.
     has_optimizer_state = bool(optimizer.state)
+    rng = [None] * world
+    dist.all_gather_object(rng, _rng_state())  # LoRA dropout draws from each rank's global RNG
     trainer_state = {
         "trainer_step": trainer_step,
         "has_optimizer_state": has_optimizer_state,
         # Plain python, pickled as one blob: DCP loads only keys it is given,
         # and the keys of `extra` are unknown before loading. Rank 0's copy is kept.
         "extra": extra,
+        "rng": rng,
     }
     state = {"model": _model_state(model), "trainer": pickle.dumps(trainer_state)}
     if has_optimizer_state:
@@ -220,7 +223,23 @@ def load(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     else:
         optimizer.state.clear()  # saved before the first step: Adam starts fresh
+    rng = trainer_state.get("rng")  # absent in checkpoints written before it was saved
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rng is not None and len(rng) == world:  # on another world size the ranks keep their seeded RNGs
+        _set_rng_state(rng[dist.get_rank() if dist.is_initialized() else 0])
     return trainer_state
+
+
+def _rng_state() -> dict:
+    """This rank's global torch RNG states: CPU, and the current CUDA device's when CUDA is in use."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def load_model(path: Path, *, model: torch.nn.Module) -> None:
