@@ -15,12 +15,15 @@ from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict, tokenizer_dir
 
+DRY_RUN_TOML = "dry-run.toml"
+"""What --dry-run writes into job.output_dir: the resolved config."""
+
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
-    if cfg.dry_run:
-        write_toml(cfg, Path(cfg.job.output_dir) / "config.toml")
-        print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / 'config.toml'}")
+    if cfg.dry_run:  # not config.toml: a folder holding one is a run folder to --resume (runs.run_to_resume)
+        write_toml(cfg, Path(cfg.job.output_dir) / DRY_RUN_TOML)
+        print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / DRY_RUN_TOML}")
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: a signal or a failure ends every rank at once
         exits = RankExits()

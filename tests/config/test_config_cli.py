@@ -10,6 +10,7 @@ import pytest
 
 from tests.helpers import assert_one_line_error, run_cli
 from torchtitan_rl.config import JobConfig, load_toml, parse_args
+from torchtitan_rl.runs import run_to_resume
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,7 +162,7 @@ def test_bad_cli_value_names_the_field(args, expected):
 def test_impossible_combination_names_the_field(tmp_path, args, world_size, expected):
     proc = run_cli(*args, "--job.output_dir", str(tmp_path), world_size=world_size)
     assert_one_line_error(proc, expected)
-    assert not (tmp_path / "config.toml").exists()
+    assert not (tmp_path / "config.toml").exists() and not (tmp_path / "dry-run.toml").exists()
 
 
 def test_parallel_degrees_that_fit_the_world_size_are_accepted(tmp_path):
@@ -185,7 +186,8 @@ def test_run_writes_resolved_config_that_loads_back_equal(tmp_path, monkeypatch)
     assert proc.returncode == 0, proc.stderr
     assert "torchtitan_rl: config valid" in proc.stdout
     monkeypatch.chdir(REPO)
-    assert load_toml(tmp_path / "run" / "config.toml") == parse_args(args)
+    assert load_toml(tmp_path / "run" / "dry-run.toml") == parse_args(args)
+    assert run_to_resume(tmp_path / "run") is None  # a validated config is no run to resume
 
 
 def _field_docstrings():
@@ -260,13 +262,13 @@ def test_every_float_field_refuses_nan_and_inf_by_name(tmp_path, capsys, path, v
     assert exit.value.code == 2
     suffix = f"[{n - 1}]" if n > 1 else ""
     assert capsys.readouterr().err == f"config error: {path}{suffix}: must be a finite number, got {float(value)}\n"
-    assert not (tmp_path / "config.toml").exists()
+    assert not (tmp_path / "config.toml").exists() and not (tmp_path / "dry-run.toml").exists()
 
 
 def test_nan_in_toml_is_refused_in_dry_run(toml, tmp_path):
     proc = run_cli("--config", toml("[trainer.optimizer]\nlr = nan\n"), "--dry-run", "--job.output_dir", str(tmp_path))
     assert_one_line_error(proc, "trainer.optimizer.lr: must be a finite number, got nan")
-    assert not (tmp_path / "config.toml").exists()
+    assert not (tmp_path / "config.toml").exists() and not (tmp_path / "dry-run.toml").exists()
 
 
 @pytest.mark.parametrize(

@@ -496,4 +496,4 @@ class JobConfig:
     resume_if_any: bool = False
     """As resume, but start a new run when there is nothing to resume (a job a scheduler may restart)."""
     dry_run: bool = False
-    """Validate the config, write it to the output folder and exit without training."""
+    """Validate the config, write it to job.output_dir/dry-run.toml and exit without training."""
