@@ -10,8 +10,8 @@ run's ``model.dtype`` (bf16 by default): the weights the generator served
 and the trainer computed with, cast from the fp32 masters. A LoRA run's
 adapters are merged, ``W + alpha/r * B @ A`` in fp32, then cast.
 
-At the end of a run, simple_grpo calls ``export_hf`` when ``job.export_dir``
-is set; this command does the same from any saved checkpoint of a run.
+At the end of a run, simple_grpo calls ``export_hf`` when ``job.export`` or
+``job.export_dir`` is set; this command does the same from any saved checkpoint of a run.
 """
 
 import argparse

@@ -130,7 +130,8 @@ def run(cfg: JobConfig) -> list[dict]:
         for step in bar:
             t_step = time.perf_counter()
             # 1. sync: the generator serves the trainer's current weights to the requests made from
-            #    now on (negative control: only the first sync, so it keeps step-0 weights).
+            #    now on (negative control: only this process's first sync, so it keeps step-0 weights, or a
+            #    resumed run the checkpoint's: the engine is new and holds no others).
             sync_s = 0.0
             if cfg.weight_sync.enable or step == start:
                 sync_s = generator.sync(trainer.sync_state(), version=step)

@@ -18,7 +18,7 @@ from torchtitan_rl.config.checks import at_least, in_range, positive, positive_f
 @dataclass(kw_only=True)
 class JobSection:
     name: str = "grpo"
-    """Run name; used in log lines and as the default output sub-folder."""
+    """Run name: the progress bar's label and the W&B run name (the output folder is job.output_dir)."""
     output_dir: str = "outputs/grpo"
     """Folder of this config's runs: each run writes its config, metrics, plots and checkpoints to a new run-N
     sub-folder, and `latest` points at the newest (resume and export follow it)."""
@@ -168,7 +168,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     steps: int = 40
-    """Number of GRPO steps (one sync, rollout and optimizer step each)."""
+    """Number of GRPO steps (one sync and rollout each, then grpo.epochs x grpo.mini_batches optimizer steps)."""
     micro_batch_size: int = 64
     """Most sequences per forward/backward on one rank; gradients accumulate over them."""
     micro_batch_tokens: int = 0
@@ -184,7 +184,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     collective_timeout_s: float = 3600.0
-    """Seconds a trainer collective may wait for the other trainer ranks, e.g. while rank 0 generates and scores a step; then the run ends naming it."""
+    """Seconds a trainer collective may wait for the other trainer ranks, e.g. while a step's rollouts are generated and scored; then the run ends naming it."""
 
     def check(self, path: str) -> None:
         """The section's own fields; its parallelism needs the world size (config.validation)."""
@@ -386,9 +386,9 @@ class MetricsConfig:
 @dataclass(kw_only=True)
 class WeightSyncConfig:
     enable: bool = True
-    """Push trainer weights to the generator each step (false: negative control)."""
+    """Push trainer weights to the generator each step (false: negative control, one sync at the start only: step 0's weights, or a --resume checkpoint's)."""
     transport: Literal["inplace", "nccl", "server"] = "inplace"
-    """inplace: generator in trainer rank 0's process; nccl: generator replicas on the last torchrun ranks (generator.parallelism.data_parallel_replicate_degree, default 1), own devices; server: a rollout server (python -m torchtitan_rl.serve) at serve.host:serve.port."""
+    """inplace: generator in the trainer ranks' processes (generator.colocated_ranks: every rank, or rank 0 only); nccl: generator replicas on the last torchrun ranks (generator.parallelism.data_parallel_replicate_degree, default 1), own devices; server: a rollout server (python -m torchtitan_rl.serve) at serve.host:serve.port."""
     bucket_mb: int = 512
     """Largest bucket of gathered/cast tensors in flight, in MiB."""
     verify: Literal["off", "sampled", "full"] = "sampled"

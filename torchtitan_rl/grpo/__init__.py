@@ -1,6 +1,7 @@
 """GRPO algorithm pieces: tasks (prompts + rewards), advantages, and the loss.
 
-Pure torch + tokenizers: nothing here knows about vLLM or torchtitan.
+Pure torch + tokenizers, nothing that knows about vLLM or torchtitan; except builder.py, which
+turns a step's rollouts into the Trainer's batch (steps 3-5 of the loop).
 """
 
 from torchtitan_rl.grpo.advantages import group_advantages
