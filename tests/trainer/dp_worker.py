@@ -25,7 +25,7 @@ from torchtitan_rl.config.job_config import (
     TrainerConfig,
 )
 from torchtitan_rl.models.families import resolve_shape
-from torchtitan_rl.trainer import TrainBatch, Trainer
+from torchtitan_rl.trainer import TrainBatch, Trainer, checkpoint
 
 SPLITS = [slice(0, 5), slice(5, 8)]
 
@@ -54,7 +54,7 @@ def main() -> None:
     trainer.save_checkpoint(1)
     second = trainer.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
     resumed = make_trainer()
-    resumed.load_latest_checkpoint()
+    resumed.load_checkpoint(checkpoint.newest_verified(resumed.checkpoint_folder)[1])
     second_resumed = resumed.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
 
     # Epochs x mini-batches (rank r: rows [4r, 4r + 4), each rank's half is half of every mini-batch).

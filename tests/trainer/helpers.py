@@ -2,7 +2,7 @@
 
 import torch
 
-from torchtitan_rl.trainer import TrainBatch
+from torchtitan_rl.trainer import TrainBatch, checkpoint
 
 VOCAB = 16
 """Vocabulary of the tiny test model."""
@@ -25,3 +25,9 @@ def make_batch(*, seed: int, batch_size: int = 8, prompt_len: int = 5, seq_len: 
         old_logprobs_BL=old_BL,
         advantages_B=torch.randn(batch_size, generator=g),
     )
+
+
+def load_newest(trainer) -> dict | None:
+    """Restore the trainer's newest checkpoint that verifies (as runs.plan_run picks it); its extra, or None."""
+    found = checkpoint.newest_verified(trainer.checkpoint_folder)
+    return None if found is None else trainer.load_checkpoint(found[1])

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_rl.config.job_config import CheckpointConfig, GRPOConfig, LoRAConfig, ModelConfig
 from torchtitan_rl.trainer import checkpoint
 
-from .helpers import make_batch
+from .helpers import load_newest, make_batch
 
 GRPO = GRPOConfig()
 
@@ -26,7 +26,7 @@ def test_resume_is_bitwise_exact(make_trainer):
     uninterrupted = [_step(run, seed) for seed in (2, 3, 4)]
 
     resumed = make_trainer(micro_batch_size=3, steps=6, seed=99)  # seed is overwritten by the load
-    loaded = resumed.load_latest_checkpoint()
+    loaded = load_newest(resumed)
 
     assert path.name == "step-2" and resumed.step == 2
     assert loaded["prompt_index"] == 7 and torch.equal(loaded["rng"], extra["rng"])
@@ -66,7 +66,7 @@ def test_checkpoint_before_first_step_does_not_perturb_training(make_trainer, tm
     first = _step(run, 0)
     fresh = make_trainer(output_dir=tmp_path / "fresh")
     resumed = make_trainer()
-    assert resumed.load_latest_checkpoint() == {}
+    assert load_newest(resumed) == {}
     assert _step(fresh, 0) == first == _step(resumed, 0)
 
 
@@ -84,9 +84,9 @@ def test_leftover_tmp_is_ignored_and_keep_latest_prunes(make_trainer, tmp_path):
     (folder / "step-8").mkdir()
 
     resumed = make_trainer()
-    assert resumed.load_latest_checkpoint() == {"step": 3}
+    assert load_newest(resumed) == {"step": 3}
     assert resumed.step == 3
 
 
 def test_no_checkpoint_loads_nothing(make_trainer):
-    assert make_trainer().load_latest_checkpoint() is None
+    assert load_newest(make_trainer()) is None

@@ -9,7 +9,7 @@ import pytest
 from torchtitan_rl.config.job_config import CheckpointConfig, GRPOConfig, OptimizerConfig
 from torchtitan_rl.trainer import checkpoint
 
-from .helpers import make_batch
+from .helpers import load_newest, make_batch
 
 
 def _step(trainer, seed: int) -> dict[str, float]:
@@ -62,7 +62,7 @@ def test_a_damaged_checkpoint_is_skipped_with_one_line(make_trainer, tmp_path, c
     capsys.readouterr()
 
     resumed = make_trainer()
-    assert resumed.load_latest_checkpoint() == {"step": 1}
+    assert load_newest(resumed) == {"step": 1}
     assert resumed.step == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1, lines
@@ -75,7 +75,7 @@ def test_a_checkpoint_without_a_good_manifest_never_loads(make_trainer, tmp_path
     _step(trainer, 0)
     trainer.save_checkpoint(1)
     _zero_bytes(tmp_path / "checkpoints" / "step-1")
-    assert make_trainer().load_latest_checkpoint() is None
+    assert load_newest(make_trainer()) is None
 
 
 def test_pruning_keeps_checkpoints_newer_than_the_one_it_saved(make_trainer, tmp_path):
@@ -103,7 +103,7 @@ def test_prune_renames_before_deleting(make_trainer, tmp_path):
     trainer.save_checkpoint(3, extra={"step": 3})
     folder = tmp_path / "checkpoints"
     (folder / "step-3").rename(folder / "step-3.trash")
-    assert make_trainer().load_latest_checkpoint() is None  # step-1 was pruned; step-3.trash does not count
+    assert load_newest(make_trainer()) is None  # step-1 was pruned; step-3.trash does not count
     trainer.save_checkpoint(4)
     assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
     assert checkpoint.verify(folder / "step-4") is None
@@ -117,7 +117,7 @@ def test_resume_trains_with_the_configs_optimizer_settings(make_trainer):
     assert _step(run, 2)["lr"] == 3e-3
 
     resumed = make_trainer(optimizer=OptimizerConfig(lr=1e-4, weight_decay=0.1), steps=10)
-    resumed.load_latest_checkpoint()
+    load_newest(resumed)
     assert _step(resumed, 2)["lr"] == 1e-4
     group = resumed.optimizer.param_groups[0]
     assert group["weight_decay"] == 0.1 and group["initial_lr"] == 1e-4

@@ -480,16 +480,6 @@ class Trainer:
             files=files,
         )
 
-    def load_latest_checkpoint(self) -> dict | None:
-        """Restore the newest checkpoint that verifies; its ``extra`` ({} if none), or None if none does."""
-        found = None
-        if dist.get_rank() == 0:
-            found = checkpoint.newest_verified(self.checkpoint_folder)
-        # Rank 0 decides, so ranks racing a listing never load different steps.
-        choice = [found[1] if found else None]
-        dist.broadcast_object_list(choice, src=0)
-        return None if choice[0] is None else self.load_checkpoint(choice[0])
-
     def load_checkpoint(self, path: Path) -> dict:
         """Restore a verified checkpoint (every rank passes the same path); returns its ``extra`` ({} if none).
 
