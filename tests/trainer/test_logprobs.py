@@ -4,10 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_rl.config.job_config import LoRAConfig, ModelConfig
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.trainer.logprobs import chunked_token_logprobs, chunked_token_logprobs_and_entropy
+from torchtitan_rl.trainer.trainer import _entropy, _entropy_of_logits
 
 from .helpers import make_batch
 
@@ -110,6 +112,36 @@ def test_chunked_entropy_matches_a_direct_computation_forward_and_backward():
     plain = torch.autograd.grad((chunked_token_logprobs(hidden_ND, weight_VD, targets_N, temperature=0.7,
                                                         chunk_tokens=5) * up_lp_N).sum(), hidden_ND)[0]
     assert torch.equal(torch.autograd.grad((lp_N * up_lp_N).sum(), hidden_ND)[0], plain)
+
+
+class _LargestFloat32(TorchDispatchMode):
+    """Records the most elements of any float32 tensor an op creates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_entropy_metric_of_whole_logits_never_holds_them_in_float32():
+    """Batch-invariant mode on CUDA measures entropy from the model's whole bf16 logits: chunk by chunk."""
+    logits_BLV = (3 * torch.randn(4, 600, 50, generator=torch.Generator().manual_seed(0))).bfloat16()
+    whole = logits_BLV[:, :-1].numel()
+    old = _LargestFloat32()
+    with torch.no_grad(), old:  # what the trainer did before
+        expected_BL = _entropy(torch.log_softmax(logits_BLV[:, :-1].float() / 0.7, -1))
+    new = _LargestFloat32()
+    with torch.no_grad(), new:
+        got_BL = _entropy_of_logits(logits_BLV, 0.7)[:, :-1]
+    assert old.numel >= whole  # the recorder sees the whole float32 copy when there is one
+    assert new.numel <= 1024 * 50
+    torch.testing.assert_close(got_BL, expected_BL, rtol=1e-6, atol=1e-5)  # the same per-row ops
 
 
 def test_token_logprobs_with_a_mask_compute_only_the_masked_positions(make_trainer):

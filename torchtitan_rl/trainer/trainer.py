@@ -242,7 +242,7 @@ class Trainer:
             logprobs_BL = F.pad(sampler_token_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], temperature), (1, 0))
             if entropy != "off":
                 with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-                    entropy_BL = F.pad(_entropy(torch.log_softmax(logits_BLV[:, :-1].float() / temperature, -1)), (1, 0))
+                    entropy_BL = F.pad(_entropy_of_logits(logits_BLV, temperature)[:, :-1], (1, 0))
         else:
             # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
             logits_BLV = logits_BLV[:, :-1].float() / temperature
@@ -561,6 +561,19 @@ def _entropy(logprobs_BLV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
         part_CV = flat_NV[start : start + chunk]
         out_N[start : start + chunk] = -(part_CV.exp() * part_CV).sum(-1)
     return out_N.view(logprobs_BLV.shape[:-1])
+
+
+def _entropy_of_logits(logits_BLV: torch.Tensor, temperature: float, chunk: int = 1024) -> torch.Tensor:
+    """[B, L] float32 entropy of softmax(logits / temperature). Without autograd, ``chunk`` positions at a
+    time: the metric never holds a whole float32 [B, L, V] copy of the logits (batch-invariant mode on CUDA)."""
+    if torch.is_grad_enabled():  # the entropy bonus: autograd keeps the log-probabilities anyway
+        return _entropy(torch.log_softmax(logits_BLV.float() / temperature, -1))
+    flat_NV = logits_BLV.flatten(0, 1)  # a view: the model's logits are contiguous
+    out_N = torch.empty(flat_NV.shape[0], dtype=torch.float32, device=flat_NV.device)
+    for start in range(0, flat_NV.shape[0], chunk):
+        part_CV = flat_NV[start : start + chunk].float() / temperature
+        out_N[start : start + chunk] = _entropy(torch.log_softmax(part_CV, -1))
+    return out_N.view(logits_BLV.shape[:-1])
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
