@@ -70,11 +70,11 @@ def run(cfg: JobConfig) -> list[dict]:
 
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
+    # parse_args checked the config against torchrun's world; run(cfg) may come from Python.
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     task = run_task(cfg)
     shape = run_shape(cfg, task)
     world = None
-    # parse_args checked the config against torchrun's world; run(cfg) may come from Python.
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.job.export_dir is not None:
         from torchtitan_rl.export import check_target
 
