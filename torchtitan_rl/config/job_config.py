@@ -278,7 +278,7 @@ class GRPOConfig:
     epochs: int = 1
     """Passes over each batch of rollouts (PPO epochs); > 1 reuses the batch, so the ratio pi / pi_old moves off 1 and clipping acts. One batch is still one weight version for the generator."""
     mini_batches: int = 1
-    """Optimizer steps per pass: each rank's rows split into this many contiguous parts (whole groups where the split allows); pi_old stays the batch's start."""
+    """Optimizer steps per pass: each rank's rows split into this many contiguous parts (whole groups where the split allows), so at most its rows (P x G / data-parallel ranks); pi_old stays the batch's start."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (sequences x generator.sampling.max_tokens) (Dr. GRPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
