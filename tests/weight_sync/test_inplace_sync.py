@@ -155,6 +155,18 @@ def test_unchanged_buffers_move_once_and_changed_ones_again(generator):
     assert_serves(generator.generate(PROMPTS, n=1, seed=6), model)
 
 
+def test_a_state_dict_missing_a_frozen_key_after_a_sync_is_a_value_error_naming_it(generator):
+    """The frozen rope cache moved once (``unchanged`` remembers it): its absence is named, not a KeyError."""
+    model = trainer_model(seed=17)
+    state = native_state(model)
+    ws = WeightSync(WeightSyncConfig(), reference=state, generator=generator)
+    ws.sync(state, version=17)
+    state.pop("layers.0.attention.rope.cache")
+    with pytest.raises(ValueError, match=r"missing \['layers.0.attention.rope.cache'\]"):
+        ws.sync(state, version=18)
+    assert generator.weight_version == 17
+
+
 def test_a_changed_engine_constant_fails_the_sync_by_name(generator):
     """vLLM's KV-cache scales must stay 1; the check reads every element, not only the first."""
     state = native_state(trainer_model(seed=16))

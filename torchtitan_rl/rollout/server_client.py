@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.rollout.base import Later, Rollouts
-from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
+from torchtitan_rl.serving.protocol import ENDED, connect_host, pair_store, session_store
 from torchtitan_rl.distributed.world import World
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
 from torchtitan_rl.distributed.world import pair_group
@@ -119,12 +119,13 @@ class ServerGenerator:
         self.session = session = reply[0]["session"]
         self.synced = False
         """Whether this session published weights yet: from then on every answer must carry them."""
-        tcp = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=timedelta(seconds=timeout_s))
-        self.store = session_store(tcp, session, secret=cfg.serve.token)
+        # The server's own sync port and prefix, whatever this trainer's config says.
+        port, prefix = reply[0]["sync_port"], reply[0]["store_prefix"]
+        tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store = session_store(tcp, session, secret=cfg.serve.token, prefix=prefix)
         pair = None
         if self.rank == 0:
-            plain = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", tcp)
-            pair = pair_group(dist.PrefixStore("pair", plain), rank=0, device=device, timeout_s=timeout_s)
+            pair = pair_group(pair_store(tcp, session, secret=cfg.serve.token, prefix=prefix), rank=0, device=device, timeout_s=timeout_s)
         world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")

@@ -59,7 +59,7 @@ from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
 from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
-from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
+from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, pair_store, session_store, sync_port
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
 from torchtitan_rl.weight_sync.signed_store import SignedStore
@@ -106,9 +106,8 @@ class SyncSessions:
         return True
 
     def _serve(self, session: str, trainer_ranks: int, stop: threading.Event) -> None:
-        plain = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", self.store)
         try:
-            pair = pair_group(dist.PrefixStore("pair", plain), rank=1, device=self.device, timeout_s=self.timeout_s)
+            pair = pair_group(pair_store(self.store, session, secret=self.secret), rank=1, device=self.device, timeout_s=self.timeout_s)
             store = session_store(self.store, session, secret=self.secret)
             world = World("generator", trainer_ranks, trainer_ranks, self.device, store, pair)
             receiver = NcclReceiver(generator=self.loop, world=world, timeout_s=self.timeout_s)
@@ -331,7 +330,6 @@ class RolloutServer:
         if not self.loop.alive():
             raise HttpError(503, f"generator: the engine loop stopped: {self.loop.error}", type="server_error")
         return {"status": "ok", "weight_version": self.loop.weight_version,
-                "weight_session": self.loop.weight_session, "session": self.sessions.session,
                 "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats()}, {}
 
     async def models(self, request):

@@ -154,6 +154,7 @@ class WeightSync:
         start = time.perf_counter()
         state = self._source(state)
         keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
+        self.check_structure(state)  # before anything indexes it: a missing key is a ValueError naming it
         unchanged = self.unchanged(state, keys)
         keys = [k for k in keys if k not in unchanged] if unchanged else keys
         self.validate(state, keys)
