@@ -187,6 +187,12 @@ def vllm_model(engine):
     return models[0]
 
 
+def reset_prefix_cache(engine) -> bool:
+    """Drop every cached KV block; False if vLLM kept them (0.32 resets nothing while a request holds blocks
+    and says so; older versions return None and always reset)."""
+    return engine.reset_prefix_cache() is not False
+
+
 def titan_mesh_device_type(device_type: str) -> None:
     """Make torchtitan's ParallelDims build its meshes on ``device_type``.
 

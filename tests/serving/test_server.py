@@ -629,6 +629,19 @@ def test_serve_without_a_token_is_one_line_and_exit_2():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("busy", ["serve.port", "serve.sync_port"])
+def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts(busy, tmp_path):
+    from tests.helpers import assert_one_line_error, run_module
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another process's listener
+        ports = {"serve.port": free_port(), "serve.sync_port": free_port()}
+        ports[busy] = taken.getsockname()[1]
+        proc = run_module("torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
+                          "--serve.token", TOKEN, *(a for k, v in ports.items() for a in (f"--{k}", str(v))))
+    assert_one_line_error(proc, f"{busy}: cannot listen on 127.0.0.1:{ports[busy]}", prefix="torchtitan_rl: error: ")
+    assert not (tmp_path / "generator_model").exists()  # the engine was never built
+
+
 def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_path):
     """A standalone server on SmolLM2's own weights (generator.load_format auto: version 0, no trainer)."""
     from transformers import AutoTokenizer

@@ -26,6 +26,10 @@ class WeightsNotSyncedError(RuntimeError):
     pass
 
 
+class PrefixCacheKept(RuntimeError):
+    """finish_sync could not drop the old weights' cached KV blocks; it withdrew the version (abort_sync)."""
+
+
 def build_engine(**engine_kwargs):
     """compat.build_llm_engine with our model class registered in vLLM first (its arguments)."""
     register()
@@ -180,7 +184,12 @@ class Generator:
 
     def finish_sync(self, version: int) -> None:
         # KV blocks cached for earlier prompts hold keys/values of the old weights.
-        self.engine.reset_prefix_cache()
+        if not compat.reset_prefix_cache(self.engine):
+            self.abort_sync()
+            raise PrefixCacheKept(
+                "generator: vLLM did not reset its prefix cache (a request still holds KV blocks), so cached "
+                f"keys/values of the old weights could serve version {version}; the sync failed and nothing is "
+                "served until the next one")
         with self._cond:
             self._syncing = False
             self._version = version

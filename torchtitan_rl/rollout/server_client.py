@@ -60,7 +60,8 @@ class ServerClient:
     def __init__(self, base_url: str, *, token: str = "", api_key: str = "", timeout_s: float = 1800.0) -> None:
         self.base_url, self.token, self.api_key, self.timeout_s = base_url.rstrip("/"), token, api_key, timeout_s
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> dict:
+        """``timeout_s``: this request's limit (default: the client's)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
@@ -68,7 +69,7 @@ class ServerClient:
         if key:
             req.add_header("Authorization", f"Bearer {key}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
             raw = e.read()
@@ -87,7 +88,8 @@ class ServerClient:
         started, said = time.monotonic(), None
         while True:
             try:
-                return self.request("GET", "/health")
+                # A short limit: a starting server's port is bound (and takes connections) before it answers.
+                return self.request("GET", "/health", timeout_s=_SAY_EVERY_S)
             except ServerGone as e:
                 waited = time.monotonic() - started
                 if waited >= timeout_s:

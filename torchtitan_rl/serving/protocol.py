@@ -1,5 +1,7 @@
 """What the rollout server and its trainer client agree on: where to connect and the sync session's store keys."""
 
+import socket
+
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
@@ -18,6 +20,16 @@ def connect_host(host: str) -> str:
 
 def sync_port(cfg: JobConfig) -> int:
     return cfg.serve.sync_port or cfg.serve.port + 1
+
+
+def listen(host: str, port: int, field: str) -> socket.socket:
+    """A listening socket on ``host``:``port``; a busy port is a ValueError naming ``field`` (checked before the
+    engine starts: minutes not wasted)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        raise ValueError(f"{field}: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                         "running there?") from None
 
 
 def session_prefix(session: str, *, secret: str, prefix: str = SESSION_PREFIX) -> str:

@@ -69,11 +69,13 @@ _POLL_S = 0.01
 class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 
-    def __init__(self, loop: EngineLoop, *, host: str, port: int, device: torch.device, secret: str,
+    def __init__(self, loop: EngineLoop, *, listener: socket.socket, device: torch.device, secret: str,
                  timeout_s: float) -> None:
+        """``listener``: the sync port's socket (protocol.listen), bound to serve.host."""
         self.loop, self.device, self.secret, self.timeout_s = loop, device, secret, timeout_s
         # TCPStore's own listener binds every interface whatever the host: hand it a socket bound to ours.
-        self._socket = socket.create_server((host, port))
+        self._socket = listener
+        host, port = listener.getsockname()[:2]
         # The server hosts the store the trainer's ranks join; wait_for_workers=False: they come and go.
         self.store = dist.TCPStore(connect_host(host), port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s), master_listen_fd=self._socket.fileno(),
