@@ -8,6 +8,7 @@ both with torchtitan 0.3.0. Importing this module patches what torchtitan
 import contextlib
 import dataclasses
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed.fsdp as _fsdp
@@ -185,6 +186,19 @@ def vllm_model(engine):
     models = engine.apply_model(lambda model: model)
     assert len(models) == 1, "expected one in-process worker"
     return models[0]
+
+
+def nccl_process_group(store, rank: int, size: int, timeout: timedelta):
+    """A ProcessGroupNCCL whose collectives time out after ``timeout`` (a torch without the Options overload
+    keeps its default)."""
+    import torch.distributed as dist
+
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    except TypeError:
+        return dist.ProcessGroupNCCL(store, rank, size)
 
 
 def reset_prefix_cache(engine) -> bool:
