@@ -1,6 +1,6 @@
-"""The rollout server: python -m torchtitan_rl.serve --config run_configs/cpu_tiny.toml --serve.token SECRET
+"""The rollout server: TORCHTITAN_RL_SERVE_TOKEN=SECRET python -m torchtitan_rl.serve --config run_configs/cpu_tiny.toml
 
-(or TORCHTITAN_RL_SERVE_TOKEN=SECRET in the environment, out of sight of `ps`.)
+(the token from the environment, out of sight of `ps`; ``--serve.token`` works too, visible to every user.)
 
 The same JobConfig as the trainer (model, generator, task for the tokenizer,
 serve section). It serves nothing until a trainer started with

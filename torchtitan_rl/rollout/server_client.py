@@ -115,7 +115,7 @@ class ServerGenerator:
         reply = [None]
         if self.rank == 0:
             self.client.wait_ready(timeout_s)
-            reply = [self.client.request("POST", "/control/connect", {"trainer_ranks": dist.get_world_size()})]
+            reply = [self.client.request("POST", "/control/connect", {})]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]

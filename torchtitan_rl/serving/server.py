@@ -1,7 +1,7 @@
 """The rollout server: our generator behind an OpenAI-style HTTP API, fed weights by the trainer.
 
-``python -m torchtitan_rl.serve --config run_configs/... --serve.token SECRET``
-builds, from the same JobConfig as the trainer, the Generator (dummy weights,
+``TORCHTITAN_RL_SERVE_TOKEN=SECRET python -m torchtitan_rl.serve --config run_configs/...``
+(the token from the environment, out of sight of ``ps``) builds, from the same JobConfig as the trainer, the Generator (dummy weights,
 NaN-poisoned: it serves nothing before the first sync), an EngineLoop
 (continuous batching over concurrent requests, engine_loop.py) and:
 
@@ -62,7 +62,6 @@ from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, Htt
 from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, pair_store, session_store, sync_port
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
-from torchtitan_rl.weight_sync.signed_store import SignedStore
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
@@ -86,7 +85,7 @@ class SyncSessions:
         self.session: str | None = None
         self.syncs = 0
 
-    def connect(self, trainer_ranks: int) -> str:
+    def connect(self) -> str:
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
@@ -96,7 +95,7 @@ class SyncSessions:
                        "this one; one server takes one trainer")
             print(f"torchtitan_rl serve: session {self.session[:8]} replaced by {session[:8]}", flush=True)
         self._stop, self.session = threading.Event(), session
-        threading.Thread(target=self._serve, args=(session, trainer_ranks, self._stop),
+        threading.Thread(target=self._serve, args=(session, self._stop),
                          name=f"sync-{session[:8]}", daemon=True).start()
         return session
 
@@ -107,11 +106,11 @@ class SyncSessions:
         self._stop.set()
         return True
 
-    def _serve(self, session: str, trainer_ranks: int, stop: threading.Event) -> None:
+    def _serve(self, session: str, stop: threading.Event) -> None:
         try:
             pair = pair_group(pair_store(self.store, session, secret=self.secret), rank=1, device=self.device, timeout_s=self.timeout_s)
             store = session_store(self.store, session, secret=self.secret)
-            world = World("generator", trainer_ranks, trainer_ranks, self.device, store, pair)
+            world = World("generator", 1, 1, self.device, store, pair)  # rank 1 of the pair; one sender
             receiver = NcclReceiver(generator=self.loop, world=world, timeout_s=self.timeout_s)
             print(f"torchtitan_rl serve: trainer connected (session {session[:8]}, {len(receiver.keys)} tensors)",
                   flush=True)
@@ -416,11 +415,7 @@ class RolloutServer:
         return self._envelope("chat.completion", choices, samples, len(prompt))
 
     async def connect(self, request):
-        body = await self._json(request)
-        ranks = body.get("trainer_ranks") if isinstance(body, dict) else None
-        if type(ranks) is not int or ranks < 1:
-            raise HttpError(400, f"trainer_ranks: must be an integer >= 1, got {ranks!r}", param="trainer_ranks")
-        session = self.sessions.connect(ranks)
+        session = self.sessions.connect()
         return {"session": session, "sync_port": sync_port(self.cfg), "store_prefix": SESSION_PREFIX,
                 "weight_version": self.loop.weight_version}, {}
 
