@@ -201,6 +201,26 @@ def nccl_process_group(store, rank: int, size: int, timeout: timedelta):
         return dist.ProcessGroupNCCL(store, rank, size)
 
 
+def shutdown_engine(engine) -> None:
+    """Stop an in-process ``LLMEngine``'s core now rather than whenever it is garbage-collected."""
+    engine.engine_core.shutdown()
+
+
+def attention_metadata(layer_name: str):
+    """vLLM's attention metadata of ``layer_name`` for the current forward (None when profiling)."""
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    return md.get(layer_name) if isinstance(md, dict) else None
+
+
+def final_only_output_kind():
+    """The RequestOutputKind that reports a request once, when it finishes."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY
+
+
 def reset_prefix_cache(engine) -> bool:
     """Drop every cached KV block; False if vLLM kept them (0.32 resets nothing while a request holds blocks
     and says so; older versions return None and always reset)."""

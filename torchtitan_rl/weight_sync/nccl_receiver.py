@@ -27,6 +27,7 @@ from torchtitan_rl.weight_sync.buckets import LEAD, Buckets, aligned, checksum
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
 from torchtitan_rl.weight_sync.store import get_text
 from torchtitan_rl.weight_sync.sync import SyncStats
+from torchtitan_rl.weight_sync.target import SyncTarget
 from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
 
@@ -46,7 +47,7 @@ class NcclReceiver:
     as long as it takes.
     """
 
-    def __init__(self, *, generator, world: World, name: str = "weights", timeout_s: float | None = None):
+    def __init__(self, *, generator: SyncTarget, world: World, name: str = "weights", timeout_s: float | None = None):
         assert world.role == "generator"
         self.generator, self.world = generator, world
         self.replica = world.replica

@@ -20,6 +20,7 @@ from torchtitan_rl.models.lora import is_lora_key, merged_state
 from torchtitan_rl.distributed.dtensor import full_many, local as _local, needs_gather as _needs_gather
 from torchtitan_rl.weight_sync.buckets import bucket_keys
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
+from torchtitan_rl.weight_sync.target import SyncTarget
 from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
 
 
@@ -49,7 +50,7 @@ class WeightSync:
         config: WeightSyncConfig,
         *,
         reference: dict[str, torch.Tensor],
-        generator=None,
+        generator: SyncTarget | None = None,
         lora: LoRAConfig | None = None,
     ):
         self.config = config
