@@ -127,7 +127,8 @@ class ServerGenerator:
         self.store = session_store(tcp, session, secret=cfg.serve.token, prefix=prefix)
         pair = None
         if self.rank == 0:
-            pair = pair_group(pair_store(tcp, session, secret=cfg.serve.token, prefix=prefix), rank=0, device=device, timeout_s=timeout_s)
+            pair = pair_group(pair_store(tcp, session, secret=cfg.serve.token, prefix=prefix), rank=0, device=device,
+                              timeout_s=timeout_s)
         world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")

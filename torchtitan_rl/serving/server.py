@@ -1,7 +1,8 @@
 """The rollout server: our generator behind an OpenAI-style HTTP API, fed weights by the trainer.
 
 ``TORCHTITAN_RL_SERVE_TOKEN=SECRET python -m torchtitan_rl.serve --config run_configs/...``
-(the token from the environment, out of sight of ``ps``) builds, from the same JobConfig as the trainer, the Generator (dummy weights,
+(the token from the environment, out of sight of ``ps``) builds, from the same
+JobConfig as the trainer, the Generator (dummy weights,
 NaN-poisoned: it serves nothing before the first sync), an EngineLoop
 (continuous batching over concurrent requests, engine_loop.py) and:
 
@@ -108,7 +109,8 @@ class SyncSessions:
 
     def _serve(self, session: str, stop: threading.Event) -> None:
         try:
-            pair = pair_group(pair_store(self.store, session, secret=self.secret), rank=1, device=self.device, timeout_s=self.timeout_s)
+            pair = pair_group(pair_store(self.store, session, secret=self.secret), rank=1, device=self.device,
+                              timeout_s=self.timeout_s)
             store = session_store(self.store, session, secret=self.secret)
             world = World("generator", 1, 1, self.device, store, pair)  # rank 1 of the pair; one sender
             receiver = NcclReceiver(generator=self.loop, world=world, timeout_s=self.timeout_s)
