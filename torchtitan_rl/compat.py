@@ -8,6 +8,7 @@ both with torchtitan 0.3.0. Importing this module patches what torchtitan
 import contextlib
 import dataclasses
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed.fsdp as _fsdp
@@ -185,6 +186,45 @@ def vllm_model(engine):
     models = engine.apply_model(lambda model: model)
     assert len(models) == 1, "expected one in-process worker"
     return models[0]
+
+
+def nccl_process_group(store, rank: int, size: int, timeout: timedelta):
+    """A ProcessGroupNCCL whose collectives time out after ``timeout`` (a torch without the Options overload
+    keeps its default)."""
+    import torch.distributed as dist
+
+    try:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    except TypeError:
+        return dist.ProcessGroupNCCL(store, rank, size)
+
+
+def shutdown_engine(engine) -> None:
+    """Stop an in-process ``LLMEngine``'s core now rather than whenever it is garbage-collected."""
+    engine.engine_core.shutdown()
+
+
+def attention_metadata(layer_name: str):
+    """vLLM's attention metadata of ``layer_name`` for the current forward (None when profiling)."""
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    return md.get(layer_name) if isinstance(md, dict) else None
+
+
+def final_only_output_kind():
+    """The RequestOutputKind that reports a request once, when it finishes."""
+    from vllm.sampling_params import RequestOutputKind
+
+    return RequestOutputKind.FINAL_ONLY
+
+
+def reset_prefix_cache(engine) -> bool:
+    """Drop every cached KV block; False if vLLM kept them (0.32 resets nothing while a request holds blocks
+    and says so; older versions return None and always reset)."""
+    return engine.reset_prefix_cache() is not False
 
 
 def titan_mesh_device_type(device_type: str) -> None:

@@ -1,6 +1,6 @@
-"""The rollout server: python -m torchtitan_rl.serve --config run_configs/cpu_tiny.toml --serve.token SECRET
+"""The rollout server: TORCHTITAN_RL_SERVE_TOKEN=SECRET python -m torchtitan_rl.serve --config run_configs/cpu_tiny.toml
 
-(or TORCHTITAN_RL_SERVE_TOKEN=SECRET in the environment, out of sight of `ps`.)
+(the token from the environment, out of sight of `ps`; ``--serve.token`` works too, visible to every user.)
 
 The same JobConfig as the trainer (model, generator, task for the tokenizer,
 serve section). It serves nothing until a trainer started with
@@ -28,11 +28,14 @@ def serve(cfg) -> None:
 
     from torchtitan_rl.serving.engine_loop import EngineLoop
     from torchtitan_rl.engine.generator import Generator
-    from torchtitan_rl.serving.protocol import sync_port
+    from torchtitan_rl.serving.protocol import listen, sync_port
     from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
     from torchtitan_rl.job import run_device, run_shape, run_task
     from transformers import AutoTokenizer
 
+    # Both ports first: a busy one is a one-line error now, not a traceback after the engine's start.
+    http_socket = listen(cfg.serve.host, cfg.serve.port, "serve.port")
+    sync_socket = listen(cfg.serve.host, sync_port(cfg), "serve.sync_port")
     workdir = Path(cfg.job.output_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     task = run_task(cfg)
@@ -45,14 +48,14 @@ def serve(cfg) -> None:
     )
     loop = EngineLoop(generator, sync_wait_s=cfg.serve.sync_timeout_s)
     try:
-        sessions = SyncSessions(loop, host=cfg.serve.host, port=sync_port(cfg), device=device,
-                                secret=cfg.serve.token, timeout_s=cfg.serve.sync_timeout_s)
+        sessions = SyncSessions(loop, listener=sync_socket, device=device, secret=cfg.serve.token,
+                                timeout_s=cfg.serve.sync_timeout_s)
         server = RolloutServer(cfg, loop=loop, sessions=sessions, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
         print(f"torchtitan_rl serve: http://{cfg.serve.host}:{cfg.serve.port} (model {cfg.serve.model_name!r}, "
               f"sync port {sync_port(cfg)}, generation {'behind serve.api_key' if cfg.serve.api_key else 'open'}); "
               "nothing is served before the trainer's first sync", flush=True)
-        uvicorn.run(server.app(), host=cfg.serve.host, port=cfg.serve.port, log_level="warning",
-                    timeout_graceful_shutdown=5)
+        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5)).run(
+            sockets=[http_socket])
     finally:
         loop.close()
 

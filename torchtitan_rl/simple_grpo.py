@@ -82,7 +82,8 @@ def run(cfg: JobConfig) -> list[dict]:
     if cfg.weight_sync.transport == "nccl":
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
         world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree,
-                           timeout_s=cfg.trainer.collective_timeout_s)
+                           timeout_s=cfg.trainer.collective_timeout_s,
+                           weight_timeout_s=cfg.weight_sync.peer_timeout_s)
         if world.role == "generator":
             plan = agree(cfg, store=world.store, generator=True)
             serve(cfg, world=world, shape=shape, workdir=plan.folder)

@@ -9,6 +9,7 @@ from the environment.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -28,6 +29,7 @@ import torch
 
 from tests.helpers import PROMPTS, REPO, assert_serves, free_port, make_generator, native_state, trainer_model
 from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, load_toml
+from torchtitan_rl.weight_sync.signed_store import session_namespace
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
@@ -121,13 +123,14 @@ def _complete(cfg, prompt=PROMPTS[0], *, timeout: float = 120, **fields):
     }, timeout=timeout)
 
 
-def _connect(cfg):
+def _connect(cfg, *, reference=None):
     """A trainer connection from this process (a new session replaces the previous one)."""
     from torchtitan_rl.rollout.server_client import ServerGenerator
     from torchtitan_rl.distributed.process_group import init_process_group
 
     init_process_group(torch.device("cpu"))  # the sender's collectives run on a one-rank trainer world
-    return ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))
+    reference = native_state(trainer_model(seed=0)) if reference is None else reference
+    return ServerGenerator(cfg, reference=reference, device=torch.device("cpu"))
 
 
 @contextlib.contextmanager
@@ -309,7 +312,6 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
             {"role": "user", "content": "hi"}]}), 400, "no chat template"),
         (_request(server, "POST", "/control/connect", {"trainer_ranks": 1}), 401, "serve.token"),
         (_request(server, "POST", "/control/connect", {"trainer_ranks": 1}, token="wrong"), 401, "serve.token"),
-        (_request(server, "POST", "/control/connect", {"trainer_ranks": 0}, token=TOKEN), 400, "trainer_ranks"),
     ]
     for (status, _, body), want, text in cases:
         assert status == want, (want, text, body)
@@ -354,7 +356,7 @@ def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server
     trainer.sync(native_state(models[40]), version=40)
     # An attacker on the sync port, without the token: it can read the keys, not sign them.
     store = dist.TCPStore("127.0.0.1", server.serve.sync_port, is_master=False, timeout=timedelta(seconds=10))
-    keys = f"torchtitan_rl/serve/{trainer.session}/torchtitan_rl/weight_sync/weights"
+    keys = f"torchtitan_rl/serve/{session_namespace(TOKEN, trainer.session)}/torchtitan_rl/weight_sync/weights"
     genuine = store.get(f"{keys}/header/1")
     rejected = server.log.read_text().count("rejected a store message")
     forged = json.dumps({"version": 999999, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off",
@@ -375,6 +377,71 @@ def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server
     status, _, body = _complete(server, n=2)
     assert status == 200 and body["weight_version"] == 41 and body["weight_session"] == trainer.session, body
     assert_serves(_as_rollouts(body, 41), models[41], not_=[models[40]])
+
+
+def test_an_attacker_who_knows_the_session_id_but_not_the_token_cannot_address_its_keys(server):
+    """Forged headers and acks, written over and over at every key name computable from the session id (the
+    one before HMAC naming, and HMAC under a wrong token), are never even read: the sync lands."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    trainer = _connect(dataclasses.replace(server, weight_sync=dataclasses.replace(server.weight_sync,
+                                                                                    peer_timeout_s=15.0)))
+    models = {60: trainer_model(seed=60), 61: trainer_model(seed=61)}
+    trainer.sync(native_state(models[60]), version=60)
+    health = _get(server, "/health")
+    assert "session" not in health and "weight_session" not in health, health  # /health needs no key
+    status, _, body = _complete(server)
+    session = body["weight_session"]  # what an API user (not a token holder) learns
+    assert session == trainer.session
+    rejected = server.log.read_text().count("rejected a store message")
+    store = dist.TCPStore("127.0.0.1", server.serve.sync_port, is_master=False, timeout=timedelta(seconds=10))
+    guesses = [f"torchtitan_rl/serve/{name}/torchtitan_rl/weight_sync/weights"
+               for name in (session, session_namespace("not-the-token", session), session_namespace("", session))]
+    forged = json.dumps({"version": 666, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off", "samples": 0})
+    stop = threading.Event()
+
+    def attack():
+        while not stop.is_set():
+            for keys in guesses:
+                store.set(f"{keys}/header/2", forged)
+                store.set(f"{keys}/ack/2/0", "ok")
+            time.sleep(0.001)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    try:
+        time.sleep(0.2)
+        trainer.sync(native_state(models[61]), version=61)
+    finally:
+        stop.set()
+        attacker.join()
+    status, _, body = _complete(server, n=2)
+    assert status == 200 and body["weight_version"] == 61, body
+    assert_serves(_as_rollouts(body, 61), models[61], not_=[models[60]])
+    assert server.log.read_text().count("rejected a store message") == rejected  # no forged key was read
+    assert "version 666" not in server.log.read_text()
+
+
+def test_a_trainer_whose_config_names_another_sync_port_dials_the_one_the_server_returns(server):
+    cfg = dataclasses.replace(server, serve=dataclasses.replace(server.serve, sync_port=free_port()),
+                              weight_sync=dataclasses.replace(server.weight_sync, peer_timeout_s=10.0))
+    trainer = _connect(cfg)
+    trainer.sync(native_state(trainer_model(seed=62)), version=62)
+    status, _, body = _complete(server)
+    assert status == 200 and body["weight_version"] == 62, body
+
+
+def test_a_state_dict_missing_a_frozen_key_is_named_not_blamed_on_the_server(server):
+    model = trainer_model(seed=63)
+    state = native_state(model)
+    trainer = _connect(server, reference=state)
+    trainer.sync(state, version=63)  # the rope caches move once; later syncs skip them while untouched
+    state.pop("layers.0.attention.rope.cache")
+    with pytest.raises(ValueError, match=r"weight_sync: state dict missing \['layers.0.attention.rope.cache'\]"):
+        trainer.sync(state, version=64)
+    assert _get(server, "/health")["weight_version"] == 63
 
 
 def test_a_15_mb_prompt_is_refused_while_health_answers_within_100_ms(server):
@@ -561,6 +628,19 @@ def test_serve_without_a_token_is_one_line_and_exit_2():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("busy", ["serve.port", "serve.sync_port"])
+def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts(busy, tmp_path):
+    from tests.helpers import assert_one_line_error, run_module
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another process's listener
+        ports = {"serve.port": free_port(), "serve.sync_port": free_port()}
+        ports[busy] = taken.getsockname()[1]
+        proc = run_module("torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
+                          "--serve.token", TOKEN, *(a for k, v in ports.items() for a in (f"--{k}", str(v))))
+    assert_one_line_error(proc, f"{busy}: cannot listen on 127.0.0.1:{ports[busy]}", prefix="torchtitan_rl: error: ")
+    assert not (tmp_path / "generator_model").exists()  # the engine was never built
+
+
 def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_path):
     """A standalone server on SmolLM2's own weights (generator.load_format auto: version 0, no trainer)."""
     from transformers import AutoTokenizer

@@ -56,6 +56,11 @@ def main() -> None:
     versions, previous_model = [], None
     for version in (1, 2):
         stats = sync.sync(trainer.sync_state(), version=version)
+        if version == 1:  # the generator holds exactly the bits of the whole fp32 tensors cast after the gather
+            whole = dict(zip(sync.keys, full_many([trainer.sync_state()[k] for k in sync.keys])))
+            same_bits = rank != 0 or all(
+                torch.equal(e.dest, whole[e.source].view(e.dest.shape).to(e.dest.dtype)) for e in sync.plan.entries)
+            wire = sorted({str(d) for d in sync.wire.values()})
         payload = [generator.generate(PROMPTS, n=N, seed=version) if rank == 0 else None]
         dist.broadcast_object_list(payload, src=0)
         rollouts = payload[0]
@@ -100,12 +105,13 @@ def main() -> None:
                 temperature=1.0, grpo=GRPOConfig(),
             )
 
-    layouts = [None, None]
+    layouts, wires = [None, None], [None, None]
     dist.all_gather_object(layouts, layout)
+    dist.all_gather_object(wires, wire)
     batched = check_full_many(trainer)
     if rank == 0:
         result = {"layouts": layouts, "unsharded": plain, "versions": versions, "train_metrics": metrics,
-                  "full_many": batched}
+                  "full_many": batched, "same_bits": same_bits, "wire": wires}
         (out_dir / "result.json").write_text(json.dumps(result, indent=1))
     # No destroy_process_group: vLLM's exit hook on rank 0 tears down its own
     # groups, which must then still be valid.

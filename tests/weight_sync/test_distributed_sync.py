@@ -47,6 +47,13 @@ def test_trainer_state_is_really_sharded_over_two_ranks(two_rank_sync):
     assert all("rope" in k for k in two_rank_sync["unsharded"])
 
 
+def test_shards_travel_in_the_generators_dtype_and_land_as_the_same_bits(two_rank_sync):
+    """Both ranks gather in rank 0's plan dtypes (bf16, not the fp32 masters), and the generator holds exactly
+    the whole fp32 tensors cast to bf16: casting before the gather changes no bit."""
+    assert two_rank_sync["wire"] == [["torch.bfloat16"], ["torch.bfloat16"]]
+    assert two_rank_sync["same_bits"] is True
+
+
 def test_fsdp_sharded_sync_matches_generator(two_rank_sync):
     v1, v2 = two_rank_sync["versions"]
     for v, version in ((v1, 1), (v2, 2)):

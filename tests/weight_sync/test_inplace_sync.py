@@ -155,6 +155,40 @@ def test_unchanged_buffers_move_once_and_changed_ones_again(generator):
     assert_serves(generator.generate(PROMPTS, n=1, seed=6), model)
 
 
+def test_a_state_dict_missing_a_frozen_key_after_a_sync_is_a_value_error_naming_it(generator):
+    """The frozen rope cache moved once (``unchanged`` remembers it): its absence is named, not a KeyError."""
+    model = trainer_model(seed=17)
+    state = native_state(model)
+    ws = WeightSync(WeightSyncConfig(), reference=state, generator=generator)
+    ws.sync(state, version=17)
+    state.pop("layers.0.attention.rope.cache")
+    with pytest.raises(ValueError, match=r"missing \['layers.0.attention.rope.cache'\]"):
+        ws.sync(state, version=18)
+    assert generator.weight_version == 17
+
+
+def test_a_sync_while_a_request_holds_kv_blocks_fails_and_serves_nothing_rather_than_a_stale_cache(generator):
+    """vLLM keeps its prefix cache while any request holds blocks: the sync must not publish over it."""
+    from torchtitan_rl.engine.generator import PrefixCacheKept, sampling_params
+    from torchtitan_rl.config import SamplingConfig
+
+    model = trainer_model(seed=19)
+    _sync(generator, native_state(model), 19)
+    engine = generator.engine
+    engine.add_request("held", {"prompt_token_ids": PROMPTS[0]},
+                       sampling_params(SamplingConfig(max_tokens=16), stop_token_ids=None, seed=0))
+    engine.step()  # prefilled: it holds KV blocks
+    assert engine.has_unfinished_requests()
+    try:
+        with pytest.raises(PrefixCacheKept, match="did not reset its prefix cache"):
+            _sync(generator, native_state(trainer_model(seed=20)), 20)
+        assert generator.weight_version is None  # withdrawn: neither version is served over a stale cache
+    finally:
+        engine.abort_request(["held"])
+    _sync(generator, native_state(model), 21)
+    assert_serves(generator.generate(PROMPTS, n=1, seed=7), model)
+
+
 def test_a_changed_engine_constant_fails_the_sync_by_name(generator):
     """vLLM's KV-cache scales must stay 1; the check reads every element, not only the first."""
     state = native_state(trainer_model(seed=16))

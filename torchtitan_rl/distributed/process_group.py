@@ -1,11 +1,10 @@
-"""Process group, torchtitan ParallelDims and determinism flags for the trainer.
+"""Process group and torchtitan ParallelDims for the trainer (determinism flags: distributed/determinism.py).
 
 The trainer always runs inside a process group, also as a single process:
 FSDP then wraps the model the same way at every world size, so one process
 and many compute with the same bf16 copies of the fp32 master weights.
 """
 
-import contextlib
 import os
 from datetime import timedelta
 
@@ -80,32 +79,3 @@ def build_parallel_dims(
     )
     dims.build_mesh()
     return dims
-
-
-def set_determinism(device: torch.device) -> None:
-    """Process-wide settings that deterministic kernels need."""
-    # Deterministic mode would fill every torch.empty with NaN: time, no gain here.
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    if device.type == "cuda":
-        # Read when cuBLAS initialises: effective only before the first CUDA matmul.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-
-
-@contextlib.contextmanager
-def deterministic_algorithms():
-    """Strict deterministic kernels around the trainer's compute, restored after.
-
-    Strict, not warn_only: under warn_only torch 2.11 keeps SDPA's cuDNN and
-    flash backward on their non-deterministic algorithms (it only warns).
-    Scoped, not process-wide: a colocated vLLM engine runs ops that have no
-    deterministic kernel and would raise.
-    """
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

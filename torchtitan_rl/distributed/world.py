@@ -29,6 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl import compat
+
 STORE_PREFIX = "torchtitan_rl/weight_sync"
 """Prefix of this package's keys in the job's store (every rank of a job must use the same)."""
 
@@ -58,7 +60,8 @@ class World:
         return self.role == "trainer" and self.rank == 0
 
 
-def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0) -> World:
+def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0,
+               weight_timeout_s: float = 1800.0) -> World:
     """Join torchrun's world as a trainer rank or as one of ``replicas`` generator ranks (the last ones).
 
     The trainer ranks' default process group spans the trainer ranks only: the
@@ -66,7 +69,8 @@ def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0
     its meshes, FSDP and every default-group collective exclude the generators
     without a line of trainer code knowing. Each generator rank's default group
     is itself alone; its vLLM engine builds its groups on it. ``timeout_s``
-    (trainer.collective_timeout_s) bounds each collective of the default groups.
+    (trainer.collective_timeout_s) bounds each collective of the default groups,
+    ``weight_timeout_s`` (weight_sync.peer_timeout_s) each of the weight group.
     """
     assert not dist.is_initialized(), "init_world must create the process groups"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -97,7 +101,7 @@ def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0
     group = None
     if rank == 0 or role == "generator":
         group = broadcast_group(dist.PrefixStore(f"{STORE_PREFIX}/weights", store), rank=0 if rank == 0 else 1 + replica,
-                                size=1 + replicas, device=device)
+                                size=1 + replicas, device=device, timeout_s=weight_timeout_s)
     return World(role, rank, trainers, device, store, group, replicas=replicas, replica=replica)
 
 
@@ -115,12 +119,7 @@ def broadcast_group(store: dist.Store, *, rank: int, size: int, device: torch.de
     inside NCCL between syncs, so only a sync can time out).
     """
     if device.type == "cuda":
-        try:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timedelta(seconds=timeout_s)
-            group = dist.ProcessGroupNCCL(store, rank, size, opts)
-        except TypeError:  # a torch without the Options overload
-            group = dist.ProcessGroupNCCL(store, rank, size)
+        group = compat.nccl_process_group(store, rank, size, timedelta(seconds=timeout_s))
     else:
         group = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
     broadcast(group, torch.zeros(1, device=device), root=0).wait()

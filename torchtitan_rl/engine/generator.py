@@ -26,6 +26,10 @@ class WeightsNotSyncedError(RuntimeError):
     pass
 
 
+class PrefixCacheKept(RuntimeError):
+    """finish_sync could not drop the old weights' cached KV blocks; it withdrew the version (abort_sync)."""
+
+
 def build_engine(**engine_kwargs):
     """compat.build_llm_engine with our model class registered in vLLM first (its arguments)."""
     register()
@@ -60,8 +64,7 @@ def _cycle_collector_paused():
 def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
     """The seed of sample ``sample`` of prompt ``prompt`` in a request seeded ``seed`` (the server uses it too).
 
-    Folded into [0, 2**63): vLLM keeps seeds as int64 (a larger one raised inside the engine step); every
-    seed the loop made before the fold was already below 2**63, so those samples are unchanged."""
+    Folded into [0, 2**63): vLLM keeps seeds as int64 (docs/design.md, "Why the code looks this way")."""
     return None if seed is None else ((seed * 1_000_003 + prompt) * 1009 + sample) % (1 << 63)
 
 
@@ -69,12 +72,11 @@ def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed
                     stop: list[str] | None = None):
     """vLLM SamplingParams of one sample, reporting the sampled token's logprob (+ ``logprobs`` top ones)."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
         # Our engine loops read finished requests only; vLLM's default (cumulative) builds a
-        # RequestOutput for every running request at every decode step (512 a step here).
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        # RequestOutput for every running request at every decode step (docs/design.md).
+        output_kind=compat.final_only_output_kind(),
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k if s.top_k > 0 else 0,
@@ -149,7 +151,7 @@ class Generator:
 
     def close(self) -> None:
         """Shut the engine down now rather than whenever it is garbage-collected."""
-        self.engine.engine_core.shutdown()
+        compat.shutdown_engine(self.engine)
 
     @property
     def weight_version(self) -> int | None:
@@ -180,7 +182,12 @@ class Generator:
 
     def finish_sync(self, version: int) -> None:
         # KV blocks cached for earlier prompts hold keys/values of the old weights.
-        self.engine.reset_prefix_cache()
+        if not compat.reset_prefix_cache(self.engine):
+            self.abort_sync()
+            raise PrefixCacheKept(
+                "generator: vLLM did not reset its prefix cache (a request still holds KV blocks), so cached "
+                f"keys/values of the old weights could serve version {version}; the sync failed and nothing is "
+                "served until the next one")
         with self._cond:
             self._syncing = False
             self._version = version

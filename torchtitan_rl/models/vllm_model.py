@@ -76,10 +76,7 @@ class PagedAttention(nn.Module):
 
     def _metadata(self):
         """This layer's attention metadata for the current forward (None when profiling)."""
-        from vllm.forward_context import get_forward_context
-
-        md = get_forward_context().attn_metadata
-        return md.get(self.layer_name) if isinstance(md, dict) else None
+        return compat.attention_metadata(self.layer_name)
 
     def _batch_invariant_paged(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
         from torchtitan_rl.models.paged_attention import attention, plan_tiles

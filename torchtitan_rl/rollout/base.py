@@ -1,7 +1,7 @@
 """What the GRPO loop needs from a generator, whatever the layout: the one interface.
 
 The loop (simple_grpo.py) holds a ``RolloutGenerator`` and never learns which
-layout it has: colocated.py (the engine in trainer rank 0's process),
+layout it has: colocated.py (an engine in trainer rank 0's process, or in every trainer rank's),
 remote.py (the engine on its own torchrun rank, or several replicas),
 server_client.py (a rollout server over HTTP), or any other that keeps the
 contract below.

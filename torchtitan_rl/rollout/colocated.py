@@ -39,6 +39,7 @@ class ColocatedGenerator:
         self.generator = None
         rank = dist.get_rank()
         self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
+        """Each rank generates a block of every request; else rank 0 generates it all."""
         if device.type == "cuda" and dist.get_world_size() > 1 and not self.every_rank:
             # vLLM's group setup is a collective the ranks without an engine never join (docs/design.md, "Why the code
             # looks this way").
@@ -46,7 +47,6 @@ class ColocatedGenerator:
                 "generator.colocated_ranks: 'first' hangs rank 0's vLLM engine at start when other trainer ranks "
                 "hold no engine on CUDA; use 'all' (every rank generates), or weight_sync.transport nccl"
             )
-        """Each rank generates a block of every request; else rank 0 generates it all."""
         if rank == 0 or self.every_rank:
             with compat.vllm_device(device):  # this rank's GPU, not cuda:0
                 self.generator = Generator(

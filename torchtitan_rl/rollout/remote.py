@@ -48,7 +48,7 @@ from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.distributed.world import World
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
-from torchtitan_rl.weight_sync.store import store_value
+from torchtitan_rl.weight_sync.store import store_value, who
 
 _PREFIX = "torchtitan_rl/generator"
 _POLL_S = 1.0
@@ -177,7 +177,7 @@ class RemoteGenerator:
 
 
 def _who(replica: int, replicas: int) -> str:
-    return "generator rank" if replicas == 1 else f"generator replica {replica}"
+    return who(replica, replicas, alone="generator rank")
 
 
 # -------------------------------------------------------------- generator side

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.rollout.base import Later, Rollouts
-from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
+from torchtitan_rl.serving.protocol import ENDED, connect_host, pair_store, session_store
 from torchtitan_rl.distributed.world import World
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
 from torchtitan_rl.distributed.world import pair_group
@@ -60,7 +60,8 @@ class ServerClient:
     def __init__(self, base_url: str, *, token: str = "", api_key: str = "", timeout_s: float = 1800.0) -> None:
         self.base_url, self.token, self.api_key, self.timeout_s = base_url.rstrip("/"), token, api_key, timeout_s
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> dict:
+        """``timeout_s``: this request's limit (default: the client's)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
@@ -68,7 +69,7 @@ class ServerClient:
         if key:
             req.add_header("Authorization", f"Bearer {key}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as e:
             raw = e.read()
@@ -87,7 +88,8 @@ class ServerClient:
         started, said = time.monotonic(), None
         while True:
             try:
-                return self.request("GET", "/health")
+                # A short limit: a starting server's port is bound (and takes connections) before it answers.
+                return self.request("GET", "/health", timeout_s=_SAY_EVERY_S)
             except ServerGone as e:
                 waited = time.monotonic() - started
                 if waited >= timeout_s:
@@ -113,18 +115,20 @@ class ServerGenerator:
         reply = [None]
         if self.rank == 0:
             self.client.wait_ready(timeout_s)
-            reply = [self.client.request("POST", "/control/connect", {"trainer_ranks": dist.get_world_size()})]
+            reply = [self.client.request("POST", "/control/connect", {})]
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]
         self.synced = False
         """Whether this session published weights yet: from then on every answer must carry them."""
-        tcp = dist.TCPStore(host, sync_port(cfg), is_master=False, timeout=timedelta(seconds=timeout_s))
-        self.store = session_store(tcp, session, secret=cfg.serve.token)
+        # The server's own sync port and prefix, whatever this trainer's config says.
+        port, prefix = reply[0]["sync_port"], reply[0]["store_prefix"]
+        tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.store = session_store(tcp, session, secret=cfg.serve.token, prefix=prefix)
         pair = None
         if self.rank == 0:
-            plain = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", tcp)
-            pair = pair_group(dist.PrefixStore("pair", plain), rank=0, device=device, timeout_s=timeout_s)
+            pair = pair_group(pair_store(tcp, session, secret=cfg.serve.token, prefix=prefix), rank=0, device=device,
+                              timeout_s=timeout_s)
         world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")

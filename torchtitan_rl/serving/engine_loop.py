@@ -223,12 +223,13 @@ class EngineLoop:
                 admitted = self._admit()
                 aborts = [rid for rid in self._aborts if rid in self._running]  # not those finished meanwhile
                 self._aborts = []
-                aborted = [self._running.pop(rid) for rid in aborts]
-                self._counts["aborted"] += len(aborted)
-                if aborted:
-                    self._cond.notify_all()  # a sync may be waiting for the batch to drain
-            if aborted:
+            if aborts:
+                # Freed in the engine before a waiting sync hears of it: it must find no KV block held.
                 engine.abort_request(aborts)
+                with self._cond:
+                    aborted = [self._running.pop(rid) for rid in aborts]
+                    self._counts["aborted"] += len(aborted)
+                    self._cond.notify_all()  # a sync may be waiting for the batch to drain
                 _fail([], aborted, RuntimeError("generator: the client went away"))
             for rid, job in admitted:
                 try:
@@ -256,10 +257,12 @@ class EngineLoop:
     def _fail_running(self, error: Exception) -> None:
         engine = self.generator.engine
         with self._cond:
-            jobs, self._running = dict(self._running), {}
+            rids = list(self._running)
+        if rids:
+            engine.abort_request(rids)  # before a waiting sync hears the batch drained
+        with self._cond:
+            jobs = {rid: self._running.pop(rid) for rid in rids}
             self._cond.notify_all()
-        if jobs:
-            engine.abort_request(list(jobs))
         _fail([], list(jobs.values()), RuntimeError(f"generator: the engine failed: {type(error).__name__}: {error}"))
 
 

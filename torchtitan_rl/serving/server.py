@@ -1,7 +1,8 @@
 """The rollout server: our generator behind an OpenAI-style HTTP API, fed weights by the trainer.
 
-``python -m torchtitan_rl.serve --config run_configs/... --serve.token SECRET``
-builds, from the same JobConfig as the trainer, the Generator (dummy weights,
+``TORCHTITAN_RL_SERVE_TOKEN=SECRET python -m torchtitan_rl.serve --config run_configs/...``
+(the token from the environment, out of sight of ``ps``) builds, from the same
+JobConfig as the trainer, the Generator (dummy weights,
 NaN-poisoned: it serves nothing before the first sync), an EngineLoop
 (continuous batching over concurrent requests, engine_loop.py) and:
 
@@ -59,21 +60,22 @@ from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
 from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
-from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, session_store, sync_port
+from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, pair_store, session_store, sync_port
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
-from torchtitan_rl.weight_sync.signed_store import SignedStore
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
 class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 
-    def __init__(self, loop: EngineLoop, *, host: str, port: int, device: torch.device, secret: str,
+    def __init__(self, loop: EngineLoop, *, listener: socket.socket, device: torch.device, secret: str,
                  timeout_s: float) -> None:
+        """``listener``: the sync port's socket (protocol.listen), bound to serve.host."""
         self.loop, self.device, self.secret, self.timeout_s = loop, device, secret, timeout_s
         # TCPStore's own listener binds every interface whatever the host: hand it a socket bound to ours.
-        self._socket = socket.create_server((host, port))
+        self._socket = listener
+        host, port = listener.getsockname()[:2]
         # The server hosts the store the trainer's ranks join; wait_for_workers=False: they come and go.
         self.store = dist.TCPStore(connect_host(host), port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s), master_listen_fd=self._socket.fileno(),
@@ -84,7 +86,7 @@ class SyncSessions:
         self.session: str | None = None
         self.syncs = 0
 
-    def connect(self, trainer_ranks: int) -> str:
+    def connect(self) -> str:
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
@@ -94,7 +96,7 @@ class SyncSessions:
                        "this one; one server takes one trainer")
             print(f"torchtitan_rl serve: session {self.session[:8]} replaced by {session[:8]}", flush=True)
         self._stop, self.session = threading.Event(), session
-        threading.Thread(target=self._serve, args=(session, trainer_ranks, self._stop),
+        threading.Thread(target=self._serve, args=(session, self._stop),
                          name=f"sync-{session[:8]}", daemon=True).start()
         return session
 
@@ -105,12 +107,12 @@ class SyncSessions:
         self._stop.set()
         return True
 
-    def _serve(self, session: str, trainer_ranks: int, stop: threading.Event) -> None:
-        plain = dist.PrefixStore(f"{SESSION_PREFIX}/{session}", self.store)
+    def _serve(self, session: str, stop: threading.Event) -> None:
         try:
-            pair = pair_group(dist.PrefixStore("pair", plain), rank=1, device=self.device, timeout_s=self.timeout_s)
+            pair = pair_group(pair_store(self.store, session, secret=self.secret), rank=1, device=self.device,
+                              timeout_s=self.timeout_s)
             store = session_store(self.store, session, secret=self.secret)
-            world = World("generator", trainer_ranks, trainer_ranks, self.device, store, pair)
+            world = World("generator", 1, 1, self.device, store, pair)  # rank 1 of the pair; one sender
             receiver = NcclReceiver(generator=self.loop, world=world, timeout_s=self.timeout_s)
             print(f"torchtitan_rl serve: trainer connected (session {session[:8]}, {len(receiver.keys)} tensors)",
                   flush=True)
@@ -331,7 +333,6 @@ class RolloutServer:
         if not self.loop.alive():
             raise HttpError(503, f"generator: the engine loop stopped: {self.loop.error}", type="server_error")
         return {"status": "ok", "weight_version": self.loop.weight_version,
-                "weight_session": self.loop.weight_session, "session": self.sessions.session,
                 "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats()}, {}
 
     async def models(self, request):
@@ -416,11 +417,7 @@ class RolloutServer:
         return self._envelope("chat.completion", choices, samples, len(prompt))
 
     async def connect(self, request):
-        body = await self._json(request)
-        ranks = body.get("trainer_ranks") if isinstance(body, dict) else None
-        if type(ranks) is not int or ranks < 1:
-            raise HttpError(400, f"trainer_ranks: must be an integer >= 1, got {ranks!r}", param="trainer_ranks")
-        session = self.sessions.connect(ranks)
+        session = self.sessions.connect()
         return {"session": session, "sync_port": sync_port(self.cfg), "store_prefix": SESSION_PREFIX,
                 "weight_version": self.loop.weight_version}, {}
 

@@ -28,13 +28,8 @@ from torchtitan_rl.models.batch_invariant import make_batch_invariant, sampler_t
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import ModelShape, titan_config
 from torchtitan_rl.trainer import checkpoint
-from torchtitan_rl.distributed.process_group import (
-    build_parallel_dims,
-    deterministic_algorithms,
-    init_process_group,
-    local_device,
-    set_determinism,
-)
+from torchtitan_rl.distributed.determinism import deterministic_algorithms, set_determinism
+from torchtitan_rl.distributed.process_group import build_parallel_dims, init_process_group, local_device
 from torchtitan_rl.trainer.hf_weights import load_hf_weights
 from torchtitan_rl.trainer.logprobs import chunked_token_logprobs_and_entropy
 from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler, lr_factor

@@ -66,8 +66,8 @@ class Bucket:
 class Buckets:
     """Two flat uint8 buffers and, per (key list, bucket size), the buckets with their views.
 
-    Built on the first sync that moves those keys and reused after: building
-    ~300 views per sync on the host sat on the critical path of both sides.
+    Built on the first sync that moves those keys and reused after: building the views is host time on the
+    critical path of both sides (docs/design.md, "Why the code looks this way").
     Growing the buffers drops the cached views (they would keep the old ones alive).
     """
 

@@ -22,10 +22,12 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.distributed.world import STORE_PREFIX, World, broadcast
+from torchtitan_rl.engine.generator import PrefixCacheKept
 from torchtitan_rl.weight_sync.buckets import LEAD, Buckets, aligned, checksum
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
 from torchtitan_rl.weight_sync.store import get_text
 from torchtitan_rl.weight_sync.sync import SyncStats
+from torchtitan_rl.weight_sync.target import SyncTarget
 from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
 
@@ -45,7 +47,7 @@ class NcclReceiver:
     as long as it takes.
     """
 
-    def __init__(self, *, generator, world: World, name: str = "weights", timeout_s: float | None = None):
+    def __init__(self, *, generator: SyncTarget, world: World, name: str = "weights", timeout_s: float | None = None):
         assert world.role == "generator"
         self.generator, self.world = generator, world
         self.replica = world.replica
@@ -123,16 +125,17 @@ class NcclReceiver:
                     verified += verify_constants(self.plan.constants)
                 if self.world.device.type == "cuda":
                     torch.cuda.current_stream().synchronize()  # every unpack has landed
+                gen.finish_sync(version if verified is not None else previous)
             except BaseException as e:
                 if self._wrote:
                     gen.abort_sync()  # some tensors hold the new version, some the old: serve nothing
-                else:  # e.g. the trainer died before the verdict: nothing was written, the old version stands
+                elif not isinstance(e, PrefixCacheKept):  # (that one withdrew the version itself)
+                    # e.g. the trainer died before the verdict: nothing was written, the old version stands
                     gen.finish_sync(previous)
                 self.syncing.clear()
                 self.syncs = n
                 self.store.set(f"ack/{n}/{self.replica}", f"{type(e).__name__}: {e}")
                 raise
-            gen.finish_sync(version if verified is not None else previous)
             self.syncing.clear()
         self.syncs = n
         self.store.set(f"ack/{n}/{self.replica}", "ok" if verified is not None else "rejected")

@@ -86,9 +86,9 @@ class NcclSender:
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         start = time.perf_counter()
         ws = self.ws
+        ws.check_structure(state)  # the same verdict on every trainer rank; nothing was sent
         unchanged = ws.unchanged(state, ws.keys)
         keys = [k for k in ws.keys if k not in unchanged]
-        ws.check_structure(state)  # the same verdict on every trainer rank; nothing was sent
         self.syncs += 1
         n, limit = self.syncs, self.bucket_bytes
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)

@@ -8,8 +8,10 @@ takeover notice) with HMAC-SHA256 under ``serve.token``, over the session id
 written without the token, or copied from another key or another session
 (a replay), fails the check: ``get`` raises ForgedMessage and logs it once,
 and a waiting reader keeps waiting for the genuine value, which overwrites
-the forged one. The gloo/NCCL weight stream itself is not signed:
-docs/design.md says what that trusts.
+the forged one. The session's keys are named by ``session_namespace``
+(HMAC of the session id under the token), so whoever learns the session id
+without the token cannot compute where they are. The gloo/NCCL weight stream
+itself is not signed: docs/design.md says what that trusts.
 """
 
 import hashlib
@@ -20,6 +22,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 _SEP = b"\n"
+
+
+def session_namespace(secret: str, session: str) -> str:
+    """Where a session's keys (and its gloo rendezvous) live in the store: HMAC-SHA256(secret, session)."""
+    return hmac.new(secret.encode(), b"namespace" + _SEP + session.encode(), hashlib.sha256).hexdigest()
 
 
 class ForgedMessage(RuntimeError):

@@ -33,8 +33,9 @@ def get_text(store: dist.Store, key: str, timeout_s: float | None) -> str | None
     return None if value is None else value.decode()
 
 
-def who(replica: int, replicas: int) -> str:
-    return "the generator" if replicas == 1 else f"generator replica {replica}"
+def who(replica: int, replicas: int, *, alone: str = "the generator") -> str:
+    """How a message names a replica (``alone`` when it is the only one)."""
+    return alone if replicas == 1 else f"generator replica {replica}"
 
 
 def answers(store: dist.Store, key: str, replicas: int, timeout_s: float | None, *, what: str,

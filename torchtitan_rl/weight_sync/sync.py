@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan_rl.config import LoRAConfig, WeightSyncConfig
 from torchtitan_rl.models.lora import is_lora_key, merged_state
 from torchtitan_rl.distributed.dtensor import full_many, local as _local, needs_gather as _needs_gather
+from torchtitan_rl.weight_sync.buckets import bucket_keys
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan, source_aliases
+from torchtitan_rl.weight_sync.target import SyncTarget
 from torchtitan_rl.weight_sync.verify import verify_constants, pick_entries
 
 
@@ -48,7 +50,7 @@ class WeightSync:
         config: WeightSyncConfig,
         *,
         reference: dict[str, torch.Tensor],
-        generator=None,
+        generator: SyncTarget | None = None,
         lora: LoRAConfig | None = None,
     ):
         self.config = config
@@ -76,6 +78,14 @@ class WeightSync:
         self.sizes = {k: reference[k].numel() * reference[k].element_size() for k in self.keys}
         self.gathered = {k for k in self.keys if _needs_gather(reference[k])}
         """Keys whose shards live on several ranks (the layout is fixed at startup)."""
+        self.wire: dict[str, torch.dtype] = {}
+        """Gathered keys' dtypes in the generator (rank 0's plan, on every rank): shards are cast before their
+        all-gather (half the bytes of fp32 masters), the same cast as after it, so the same bits arrive."""
+        if self.gathered:  # every rank builds its WeightSync together (its syncs' gathers are collective)
+            wire = [{e.source: e.dest.dtype for e in self.plan.entries if e.source in self.gathered}
+                    if self.plan is not None else {}]
+            dist.broadcast_object_list(wire, src=0)
+            self.wire = wire[0]
         self._moved: dict[str, tuple[weakref.ref, int]] = {}
         """Frozen tensors as they were when last moved: (the tensor, its version counter)."""
 
@@ -84,18 +94,7 @@ class WeightSync:
 
     def _buckets(self, keys: list[str]) -> list[list[str]]:
         """Key groups of at most bucket_mb (trainer-side bytes); same on every rank."""
-        limit = self.config.bucket_mb << 20
-        buckets, current, size = [], [], 0
-        for key in keys:
-            nbytes = self.sizes[key]
-            if current and size + nbytes > limit:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(key)
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+        return bucket_keys(keys, self.sizes, self.config.bucket_mb << 20)
 
     def validate(self, state: dict[str, torch.Tensor], keys: list[str] | None = None) -> None:
         """Reject a state dict before anything is written; the error names the tensor."""
@@ -154,6 +153,7 @@ class WeightSync:
         start = time.perf_counter()
         state = self._source(state)
         keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
+        self.check_structure(state)  # before anything indexes it: a missing key is a ValueError naming it
         unchanged = self.unchanged(state, keys)
         keys = [k for k in keys if k not in unchanged] if unchanged else keys
         self.validate(state, keys)
@@ -213,7 +213,7 @@ class WeightSync:
         check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
         verified = 0
         for bucket in self._buckets(keys):
-            sources = self.sources(state, bucket)
+            sources = self.sources(state, bucket, [self.wire.get(k, state[k].dtype) for k in bucket])
             if self.plan is None:
                 continue
             dests = [entries[k].dest for k in bucket]
