@@ -143,6 +143,7 @@ def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
     assert "exitcode  : 2" in stderr  # torchrun's report of the first rank
 
 
+@pytest.mark.slow  # torchrun start-up and a real engine: 13-15 s
 def test_a_user_error_rank_0_finds_ends_the_other_ranks_quietly(tmp_path):
     """--resume with nothing to resume: rank 0 says why; rank 1 exits 2 with no line and no traceback file."""
     out = tmp_path / "out"

@@ -202,6 +202,7 @@ def test_resumes_log_each_step_evaluation_and_sample_once_and_export_again(tmp_p
         "hf.before-resume-at-step-2", "hf.before-resume-at-step-4"}
 
 
+@pytest.mark.slow  # torchrun start-up and a real engine: 13-15 s
 def test_dataset_resume_draws_the_prompts_of_an_uninterrupted_run(tmp_path, smollm2_dir):
     # 10 problems, 2 held out: 8 per epoch at 3 prompts per step, so the resumed
     # step 2 finishes epoch 1 (order from the checkpoint) and starts epoch 2.
