@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import assert_one_line_error, run_cli, run_module
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, write_toml
-from torchtitan_rl.runs import check_changes, plan_run
+from torchtitan_rl.runs import check_changes, plan_run, publish
 from torchtitan_rl.trainer import checkpoint
 
 CPU_TINY = Path(__file__).resolve().parents[1] / "run_configs" / "cpu_tiny.toml"
@@ -39,10 +39,11 @@ def test_resume_with_nothing_to_resume_is_one_line_and_exit_2(tmp_path):
 
 def test_each_new_run_gets_its_own_folder_and_resume_if_any_starts_one(tmp_path, capsys):
     cfg = _config(tmp_path, steps=4)
-    assert plan_run(cfg).folder == tmp_path / "run-1"
+    publish(plan_run(cfg).folder)
+    assert (tmp_path / "latest").resolve() == (tmp_path / "run-1").resolve()
     cfg.resume_if_any = True  # run-1 has no checkpoint: nothing to resume
     assert plan_run(cfg).folder == tmp_path / "run-2"
-    assert (tmp_path / "latest").resolve() == (tmp_path / "run-2").resolve()
+    assert (tmp_path / "latest").resolve() == (tmp_path / "run-1").resolve()  # until run-2 starts training
     assert "--resume-if-any: no checkpoint that verifies in" in capsys.readouterr().out
 
 
@@ -84,7 +85,8 @@ def test_resume_neither_prints_nor_compares_the_secrets(tmp_path, capsys):
 
 def test_a_user_error_found_by_the_run_leaves_no_run_folder_and_latest_as_it_was(tmp_path):
     cfg = _config(tmp_path / "out", steps=4)
-    assert plan_run(cfg).folder == tmp_path / "out" / "run-1"
+    publish(plan_run(cfg).folder)
+    assert (tmp_path / "out" / "run-1").is_dir()
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "mine.txt").write_text("not to be mixed with an export")
     cfg.job.export_dir = str(tmp_path / "hf")
@@ -92,6 +94,19 @@ def test_a_user_error_found_by_the_run_leaves_no_run_folder_and_latest_as_it_was
         simple_grpo.run(cfg)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["latest", "run-1"]
     assert (tmp_path / "out" / "latest").resolve() == (tmp_path / "out" / "run-1").resolve()
+
+
+def test_a_run_whose_engine_cannot_start_names_the_field_and_leaves_latest_on_the_previous_run(tmp_path):
+    """A start that fails once its run folder exists (here vLLM refusing a KV cache too small for one sequence)
+    keeps --resume on the run before it."""
+    cfg = _config(tmp_path, steps=4)
+    publish(plan_run(cfg).folder)
+    cfg.generator.kv_cache_memory_gb = 1e-5
+    with pytest.raises(ValueError, match=r"^generator\.kv_cache_memory_gb: too little memory for the engine's KV"):
+        simple_grpo.run(cfg)
+    gc.collect()
+    assert (tmp_path / "run-2" / "config.toml").is_file()  # the failed start's own folder, kept for its config
+    assert (tmp_path / "latest").resolve() == (tmp_path / "run-1").resolve()
 
 
 @pytest.mark.slow

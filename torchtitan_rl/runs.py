@@ -2,7 +2,7 @@
 
 Each run of a config gets a new ``<job.output_dir>/run-N`` (config.toml,
 metrics.jsonl, tensorboard/, the plot, checkpoints/), and the symlink
-``<job.output_dir>/latest`` points at the newest. So running the same command
+``<job.output_dir>/latest`` points at the newest that started training. So running the same command
 twice keeps both runs, and a run never prunes, appends to or overwrites
 another's files. ``--resume`` continues the run ``latest`` points at (or
 ``job.output_dir`` itself when that is a run folder) from its newest
@@ -81,7 +81,9 @@ def plan_run(cfg: JobConfig, *, say=print) -> RunPlan:
 
 
 def new_run_folder(output_dir: Path) -> Path:
-    """Create the next run-N in output_dir and point ``latest`` at it."""
+    """Create the next run-N in output_dir. ``latest`` moves to it once the run starts training (``publish``):
+    a start that fails (an engine without memory, a checkpoint that does not fit) leaves --resume on the
+    previous run."""
     output_dir.mkdir(parents=True, exist_ok=True)
     n = 1 + max((int(m.group(1)) for p in output_dir.iterdir() if (m := _RUN_DIR.fullmatch(p.name))), default=0)
     while True:
@@ -90,9 +92,13 @@ def new_run_folder(output_dir: Path) -> Path:
             break
         except FileExistsError:  # another run took it meanwhile
             n += 1
-    folder = output_dir / f"run-{n}"
-    _point_latest(folder)
-    return folder
+    return output_dir / f"run-{n}"
+
+
+def publish(run: Path) -> None:
+    """Point ``latest`` at ``run`` (rank 0; once the run's trainer and generator stand)."""
+    if (run.parent / LATEST).resolve() != run.resolve():
+        _point_latest(run)
 
 
 def _point_latest(run: Path) -> None:

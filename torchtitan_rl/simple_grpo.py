@@ -65,7 +65,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.metrics import MetricsLogger, StepMetrics
     from torchtitan_rl.rollout.queue import RolloutQueue
     from torchtitan_rl.rollout.remote import serve
-    from torchtitan_rl.runs import agree
+    from torchtitan_rl.runs import agree, publish
     from torchtitan_rl.trainer import Trainer
 
     started = time.perf_counter()
@@ -122,6 +122,8 @@ def run(cfg: JobConfig) -> list[dict]:
             queue.load_state_dict(trainer.load_checkpoint(plan.checkpoint), step=trainer.step)
             start = trainer.step
         builder = BatchBuilder(cfg, task=task, trainer=trainer, reference=reference, device=device)
+        if rank == 0:
+            publish(out)  # everything stands: --resume now continues this run
         # A resume keeps the history before its step and drops what the lost steps logged: each step once.
         logger = MetricsLogger(out, enabled=rank == 0, resume_step=start if plan.checkpoint else None)
         earlier = len(logger.history)

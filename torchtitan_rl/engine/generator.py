@@ -31,9 +31,16 @@ class PrefixCacheKept(RuntimeError):
 
 
 def build_engine(**engine_kwargs):
-    """compat.build_llm_engine with our model class registered in vLLM first (its arguments)."""
+    """compat.build_llm_engine with our model class registered in vLLM first (its arguments). vLLM's refusal
+    of a KV cache too small for one sequence is a ValueError naming the field that sizes it."""
     register()
-    return compat.build_llm_engine(**engine_kwargs)
+    try:
+        return compat.build_llm_engine(**engine_kwargs)
+    except ValueError as e:
+        if "cache" not in str(e).lower():
+            raise
+        field = "kv_cache_memory_gb" if str(engine_kwargs["device"]) == "cpu" else "gpu_memory_utilization"
+        raise ValueError(f"generator.{field}: too little memory for the engine's KV cache (vLLM: {e})") from None
 
 
 def _unmerged_lora(lora: LoRAConfig) -> dict | None:
