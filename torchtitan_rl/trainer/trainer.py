@@ -545,30 +545,26 @@ def _score_positions(tokens_BL: torch.Tensor, mask_BL: torch.Tensor | None) -> t
     return score_BL
 
 
-def _entropy(logprobs_BLV: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """[B, L]: -sum_v p log p of each position's distribution, from its log-probabilities. Without
-    autograd, ``chunk`` positions at a time: a metric must not add whole-logits buffers to the peak."""
-    if torch.is_grad_enabled():
-        return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
-    flat_NV = logprobs_BLV.reshape(-1, logprobs_BLV.shape[-1])
-    out_N = flat_NV.new_empty(flat_NV.shape[0])
-    for start in range(0, flat_NV.shape[0], chunk):
-        part_CV = flat_NV[start : start + chunk]
-        out_N[start : start + chunk] = -(part_CV.exp() * part_CV).sum(-1)
-    return out_N.view(logprobs_BLV.shape[:-1])
-
-
-def _entropy_of_logits(logits_BLV: torch.Tensor, temperature: float, chunk: int = 1024) -> torch.Tensor:
-    """[B, L] float32 entropy of softmax(logits / temperature). Without autograd, ``chunk`` positions at a
-    time: the metric never holds a whole float32 [B, L, V] copy of the logits (batch-invariant mode on CUDA)."""
+def _entropy(x_BLV: torch.Tensor, to_logprobs=None, chunk: int = 1024) -> torch.Tensor:
+    """[B, L] float32: -sum_v p log p of each position's distribution, log p = ``to_logprobs(x)`` (default:
+    ``x`` holds log-probabilities already). Without autograd, ``chunk`` positions at a time: a metric must not
+    add whole [B, L, V] buffers (a float32 copy of bf16 logits, p log p) to the peak."""
+    to_logprobs = to_logprobs or _identity
     if torch.is_grad_enabled():  # the entropy bonus: autograd keeps the log-probabilities anyway
-        return _entropy(torch.log_softmax(logits_BLV.float() / temperature, -1))
-    flat_NV = logits_BLV.flatten(0, 1)  # a view: the model's logits are contiguous
+        logprobs_BLV = to_logprobs(x_BLV)
+        return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
+    flat_NV = x_BLV.flatten(0, 1)  # a view when x is contiguous (logits, log-probabilities)
     out_N = torch.empty(flat_NV.shape[0], dtype=torch.float32, device=flat_NV.device)
     for start in range(0, flat_NV.shape[0], chunk):
-        part_CV = flat_NV[start : start + chunk].float() / temperature
-        out_N[start : start + chunk] = _entropy(torch.log_softmax(part_CV, -1))
-    return out_N.view(logits_BLV.shape[:-1])
+        logprobs_CV = to_logprobs(flat_NV[start : start + chunk])
+        out_N[start : start + chunk] = -(logprobs_CV.exp() * logprobs_CV).sum(-1)
+    return out_N.view(x_BLV.shape[:-1])
+
+
+def _entropy_of_logits(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, L] float32 entropy of softmax(logits / temperature), chunked as ``_entropy`` (batch-invariant mode
+    on CUDA: never a whole float32 copy of the logits)."""
+    return _entropy(logits_BLV, lambda z: torch.log_softmax(z.float() / temperature, -1))
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -98,8 +98,11 @@ class WeightSync:
 
     def validate(self, state: dict[str, torch.Tensor], keys: list[str] | None = None) -> None:
         """Reject a state dict before anything is written; the error names the tensor."""
-        keys = self.keys if keys is None else keys
         self.check_structure(state)
+        self.check_values(state, self.keys if keys is None else keys)
+
+    def check_values(self, state: dict[str, torch.Tensor], keys: list[str]) -> None:
+        """Non-finite values and tied tensors that differ, over every rank's shards (``check_structure`` first)."""
         flags = self.problem_flags(state, keys)
         if dist.is_initialized() and any(isinstance(state[k], DTensor) for k in keys):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # a NaN in any rank's shard
@@ -156,7 +159,7 @@ class WeightSync:
         self.check_structure(state)  # before anything indexes it: a missing key is a ValueError naming it
         unchanged = self.unchanged(state, keys)
         keys = [k for k in keys if k not in unchanged] if unchanged else keys
-        self.validate(state, keys)
+        self.check_values(state, keys)
         gen = self.generator
         if gen is not None:
             gen.begin_sync()
