@@ -29,9 +29,8 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.rollout.base import Later, Rollouts
 from torchtitan_rl.serving.protocol import ENDED, connect_host, pair_store, session_store
-from torchtitan_rl.distributed.world import World
+from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
-from torchtitan_rl.distributed.world import pair_group
 from torchtitan_rl.weight_sync.signed_store import ForgedMessage
 
 _SAY_EVERY_S = 5.0
