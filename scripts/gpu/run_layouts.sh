@@ -20,9 +20,6 @@ STEPS=${LAYOUT_STEPS:-14}
 WINDOW=${WINDOW:-3 13}
 work=$(mktemp -d /tmp/layouts.XXXXXX)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/mem.csv" &
-smi=$!
-trap 'kill $smi 2>/dev/null' EXIT
 port=29557
 
 # launch NAME FIRST_GPU: starts one layout in the background on GPUs FIRST_GPU.., sets $ngpus and $pid.
@@ -37,7 +34,9 @@ launch() {
       trainers=${spec%x*}; replicas=${spec#*x}; ngpus=$((trainers + replicas)); engines=$replicas
       args=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.8
             --generator.parallelism.data_parallel_replicate_degree "$replicas")
-      [[ $name == async* ]] && args+=(--grpo.max_staleness 1 --grpo.importance_correction truncate) ;;
+      [[ $name == async* ]] && args+=(--grpo.max_staleness 1 --grpo.importance_correction truncate)
+      # 64 x 8 rows do not split over 3 trainer ranks: 63 prompts (504 rows) for them
+      [ $((64 * 8 % trainers)) = 0 ] || args+=(--grpo.prompts_per_step $((64 * 8 / trainers / 8 * trainers))) ;;
     *) echo "unknown layout $name"; return 2 ;;
   esac
   local gpus; gpus=$(seq -s, "$first" $((first + ngpus - 1)))
@@ -69,13 +68,17 @@ report() {  # NAME RC
   [ "$name" = profile ] && { tail -n 30 "$work/$name.log"; return; }
   cp "$work/$name/latest/metrics.jsonl" "$OUT/layout_$name.jsonl" 2>/dev/null
   python3 scripts/gpu/summarize_run.py "$work/$name" --name "$name" --gpus "$(cat "$work/$name.gpus")" \
-    --mem "$work/mem.csv" --rc "$rc" --engines "$(cat "$work/$name.engines")" --window $WINDOW \
+    --mem "$work/mem_$group_no.csv" --rc "$rc" --engines "$(cat "$work/$name.engines")" --window $WINDOW \
     --extra "args=${LAYOUT_ARGS:-}" "steps=$STEPS" "gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)" \
     | tee -a "$OUT/layouts.jsonl"
 }
 
+group_no=0
 for group in ${LAYOUTS:-single every2 nccl1x1 async1x1}; do
-  first=0; names=(); pids=()
+  first=0; names=(); pids=(); group_no=$((group_no + 1))
+  # One sampler per group: a peak belongs to the runs of this group only.
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/mem_$group_no.csv" &
+  smi=$!
   for name in ${group//+/ }; do
     launch "$name" "$first" || exit 2
     names+=("$name"); pids+=("$pid"); first=$((first + ngpus))
@@ -83,4 +86,5 @@ for group in ${LAYOUTS:-single every2 nccl1x1 async1x1}; do
   for i in "${!names[@]}"; do
     wait "${pids[$i]}"; report "${names[$i]}" $?
   done
+  kill $smi 2>/dev/null
 done
