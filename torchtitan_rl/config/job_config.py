@@ -266,13 +266,13 @@ class GRPOConfig:
     clip_eps_high: float = 0.2
     """Upper ratio clip: ratio <= 1 + clip_eps_high."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen reference model; 0 disables it."""
+    """Weight of the k3 KL penalty to the initial policy (GRPO as published: 0.04); 0 disables it. > 0 builds a second, frozen trainer model from the same weights: one more fp32 copy of the parameters (4 bytes each, sharded as the trainer's; no optimizer state) and one more forward per step."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """group_std: (r - mean) / std per group; none: r - mean only."""
     max_staleness: int = 0
     """Steps the generator may run ahead: step k may train on rollouts sampled with the weights of step k - max_staleness, generated while the trainer learns (0: generate, then train, on the same weights)."""
     importance_correction: Literal["off", "truncate", "mask"] = "off"
-    """Per-token weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator: truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
+    """Weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator, per token (per sequence, its geometric mean, with grpo.ratio_level sequence): truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
     importance_cap: float = 2.0
     """The cap C of grpo.importance_correction (> 1)."""
     epochs: int = 1
@@ -280,13 +280,13 @@ class GRPOConfig:
     mini_batches: int = 1
     """Optimizer steps per pass: each rank's rows split into this many contiguous parts (whole groups where the split allows), so at most its rows (P x G / data-parallel ranks); pi_old stays the batch's start."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (sequences x generator.sampling.max_tokens) (Dr. GRPO)."""
+    """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (rows x generator.sampling.max_tokens), a constant, overlong-masked rows included (Dr. GRPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
-    """token: per-token ratio pi / pi_old (PPO, GRPO); sequence: each sequence's geometric-mean ratio, clipped as one (GSPO; its paper clips at ~3e-4 / 4e-4)."""
+    """token: per-token ratio pi / pi_old (PPO, GRPO); sequence (GSPO): each sequence's geometric-mean ratio, clipped as one (its paper clips at 3e-4 / 4e-4), and grpo.importance_correction per sequence too; the advantage is per sequence either way, the loss still sums per-token terms."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (no signal) and draw more prompts until the batch holds grpo.prompts_per_step groups with signal (DAPO)."""
+    """Drop groups whose completions are all right or all wrong (DAPO's accuracy filter, Task.correct: a format bonus or length penalty does not count as signal) and draw the prompts still missing until the batch holds grpo.prompts_per_step groups with signal."""
     dynamic_sampling_max_rounds: int = 3
-    """Most extra rounds of grpo.prompts_per_step prompts per step under dynamic sampling; still short after them, the batch is topped up with dropped groups (advantage 0)."""
+    """Most extra draws per step under dynamic sampling (each of the groups still missing); still short after them, the batch is topped up with dropped groups."""
     overlong: Literal["off", "mask", "soft_penalty"] = "off"
     """Completions cut at generator.sampling.max_tokens: off: trained as any; mask: left out of the loss (DAPO's overlong filtering); soft_penalty: DAPO's length penalty over the last grpo.overlong_buffer tokens, added to the reward."""
     overlong_buffer: int = 64
