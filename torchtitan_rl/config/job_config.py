@@ -348,18 +348,63 @@ class TaskConfig:
 
 
 @dataclass(kw_only=True)
+class EvalSetConfig:
+    """A named evaluation set: a file of (question, answer) records, rendered and scored as training's are."""
+
+    name: str = ""
+    """Name in the metrics (eval_accuracy/NAME) and in samples.jsonl: letters, digits, '_', '-', '.'."""
+    path: str = ""
+    """A .jsonl/.json or .parquet file, or a folder written by datasets' save_to_disk (one record per problem)."""
+    split: str = ""
+    """A save_to_disk folder of several splits (a DatasetDict): the one to read; empty when it holds one."""
+    prompt_field: str = "question"
+    """Field holding the question."""
+    answer_field: str = "answer"
+    """Field holding the reference answer; GSM8K's '... #### 42' gives 42."""
+    verifier: Literal["math_verify", "exact"] = "math_verify"
+    """math_verify: the final answer equals the reference symbolically (training's reward); exact: the completion, stripped, equals the answer."""
+    system_prompt: str | None = None
+    """System message of the set's prompts; none takes the run's task.system_prompt (the run's chat template either way)."""
+    instruction: str | None = None
+    """Appended to each question; none takes the run's task.instruction."""
+    num_prompts: int = 0
+    """Problems scored (the first N of the file); 0: all."""
+    max_tokens: int = 0
+    """Completion length limit; 0 takes eval.max_tokens, then generator.sampling.max_tokens."""
+    mean_at_k: int = 0
+    """Also sample k completions per problem at the training temperature and report their mean accuracy; 0: off."""
+
+    def check(self, path: str) -> None:
+        if not self.name or not all(c.isalnum() or c in "_-." for c in self.name) or self.name == "heldout":
+            raise ValueError(f"{path}.name: must be non-empty letters, digits, '_', '-' or '.' (not 'heldout', the "
+                             f"task's own set), got {self.name!r}")
+        if not self.path:
+            raise ValueError(f"{path}.path: set a .jsonl, .parquet file or a datasets folder")
+        at_least(self, path, 0, "num_prompts", "max_tokens", "mean_at_k")
+
+
+@dataclass(kw_only=True)
 class EvalConfig:
     every_n_steps: int = 0
-    """Greedy pass@1 on the task's held-out set before the first step, every N steps and at the end; 0: never."""
+    """Greedy pass@1 on the task's held-out set and on eval.sets before the first step, every N steps and at the end; 0: never."""
     num_prompts: int = 0
     """Held-out problems per evaluation (the first N of the fixed set); 0 takes the whole set."""
     max_tokens: int = 0
     """Completion length limit during evaluation; 0 takes generator.sampling.max_tokens."""
     mean_at_k: int = 0
     """Also sample k completions per problem at the training temperature and report mean accuracy; 0: off."""
+    sets: tuple[EvalSetConfig, ...] = ()
+    """Named evaluation sets ([[eval.sets]] tables in TOML), each scored with the held-out set and logged as eval_accuracy/NAME with its standard error."""
 
     def check(self, path: str) -> None:
         at_least(self, path, 0, "every_n_steps", "num_prompts", "max_tokens", "mean_at_k")
+        for i, s in enumerate(self.sets):
+            s.check(f"{path}.sets[{i}]")
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{path}.sets: names must differ, got {names}")
+        if self.sets and not self.every_n_steps:
+            raise ValueError(f"{path}.every_n_steps: eval.sets are scored every N steps; set N > 0")
 
 
 @dataclass(kw_only=True)
