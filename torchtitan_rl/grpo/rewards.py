@@ -35,11 +35,6 @@ def _parse_reference(answer: str):
     return parse(f"${answer}$", parsing_timeout=_timeout())
 
 
-def parses(answer: str) -> bool:
-    """math-verify reads the reference answer as a number or expression (``correct`` needs it to)."""
-    return bool(_parse_reference(answer))
-
-
 @functools.lru_cache(maxsize=8192)
 def correct(text: str, answer: str) -> float:
     """1.0 when the completion's final answer equals the reference, else 0.0.
