@@ -67,26 +67,33 @@ def test_a_runs_export_and_checkpoint_score_in_the_evaluator_what_the_loops_fina
     assert "Answer with a number." in b["sets"]["sample"]["problems"][0]["prompt"]
 
 
-@pytest.mark.slow  # SmolLM2-135M in fp32 on CPU: the trainer, a step and two engines, ~2 min
+EASY = [("What is 2 + 2?", "4"), ("What is 1 + 1?", "2"), ("What is 3 + 3?", "6"), ("What is 10 + 10?", "20"),
+        ("What is 5 + 5?", "10"), ("What is 2 + 3?", "5")]
+"""SmolLM2-135M-Instruct answers 2 of these 6 right at 24 tokens, greedy, fp32, CPU (1 + 1 and 10 + 10)."""
+
+
+@pytest.mark.slow  # SmolLM2-135M in fp32 on CPU: the trainer, a step and two engines, minutes
 def test_smollm2_scores_the_same_in_the_loop_before_step_0_and_in_the_evaluator(tmp_path, smollm2_dir):
+    easy = tmp_path / "easy.jsonl"
+    easy.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in EASY))
     cfg = load_toml(REPO / "run_configs" / "smollm2_135m_math_cpu.toml")
     cfg.job.output_dir, cfg.model.hf_checkpoint = str(tmp_path / "out"), str(smollm2_dir)
     cfg.trainer.steps, cfg.grpo.prompts_per_step, cfg.grpo.group_size = 1, 1, 2
     cfg.generator.sampling.max_tokens = 8
-    cfg.eval.every_n_steps, cfg.eval.num_prompts, cfg.metrics.samples_per_eval = 1, 1, 8
-    cfg.eval.sets = (EvalSetConfig(name="words", path=str(WORD_PROBLEMS), num_prompts=8, max_tokens=64),)
+    cfg.eval.every_n_steps, cfg.eval.num_prompts, cfg.eval.max_tokens, cfg.metrics.samples_per_eval = 1, 1, 24, 6
+    cfg.eval.sets = (EvalSetConfig(name="easy", path=str(easy), instruction="Answer with just the number."),)
     run(cfg)
     folder = tmp_path / "out" / "latest"
     before = _evals(folder)[0]
     assert before["step"] == 0
     proc = run_module("torchtitan_rl.evaluate", "--model", str(smollm2_dir), "--dtype", "float32",
-                      "--set", f"words={WORD_PROBLEMS}", "--num-prompts", "8", "--max-tokens", "64",
+                      "--set", f"easy={easy}", "--instruction", "Answer with just the number.", "--max-tokens", "24",
                       "--max-model-len", "192", "--kv-cache-gb", "0.5", "--device", "cpu",
                       "--out", str(tmp_path / "base.json"), timeout=600)
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "base.json").read_text())
-    assert _report_problems(report, "words") == _samples(folder, 0, "words")
-    assert report["metrics"]["eval_accuracy/words"] == before["eval_accuracy/words"] > 0  # it solves some
+    assert _report_problems(report, "easy") == _samples(folder, 0, "easy")
+    assert report["metrics"]["eval_accuracy/easy"] == before["eval_accuracy/easy"] > 0  # it solves some
 
 
 def test_evaluator_refuses_a_set_without_the_answer_field_in_one_line(tmp_path, smollm2_dir):
