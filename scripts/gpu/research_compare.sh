@@ -6,6 +6,8 @@
 # training generator; [[eval.sets]] in every preset).
 #   bash scripts/gpu/research_compare.sh start     # launch (setsid: they outlive the device call)
 #   bash scripts/gpu/research_compare.sh status    # progress and the table; copies metrics to $OUT
+#   bash scripts/gpu/research_compare.sh evaluate  # after the runs: the standalone evaluator on the base model
+#                                                  # and each run's export, word_problems -> $OUT/eval_<name>.json
 # Every run gets the same overrides: eval every $EVAL_EVERY steps, $GPU_MEM of the GPU memory for each
 # vLLM engine, micro-batches of $MICRO rows (five trainers share the GPU), no checkpoints but an export
 # of the final policy to <run>/hf (python -m torchtitan_rl.evaluate --model <run>/hf scores it again).
@@ -44,5 +46,16 @@ case ${1:-status} in
     done
     python3 scripts/gpu/research_table.py --runs "$RUNS" $NAMES | tee ${OUT:+"$OUT/table.md"}
     ;;
-  *) echo "usage: $0 start|status" >&2; exit 2 ;;
+  evaluate)
+    set -o pipefail
+    words=torchtitan_rl/grpo/tasks/data/word_problems_eval.jsonl
+    dest=${OUT:-$RUNS}
+    score() { python3 -m torchtitan_rl.evaluate --model "$1" --set "word_problems=$words" --max-tokens 256 \
+                --max-model-len 512 --gpu-memory-utilization "${GPU_MEM:-0.10}" --out "$dest/eval_$2.json" 2>&1 | grep torchtitan_rl; }
+    score models/smollm2-135m-instruct base
+    for name in $NAMES; do
+      if [ -f "$RUNS/$name/latest/hf/model.safetensors" ]; then score "$RUNS/$name/latest/hf" "$name"; else echo "== $name: no export yet"; fi
+    done
+    ;;
+  *) echo "usage: $0 start|status|evaluate" >&2; exit 2 ;;
 esac
