@@ -223,12 +223,12 @@ def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -
     first = sum(r["reward_mean"] for r in history[:k]) / k
     last = sum(r["reward_mean"] for r in history[-k:]) / k
     held_out = ""
-    if logger.eval_history and "eval_accuracy" in logger.eval_history[0]:  # not with named sets alone
+    if logger.eval_history:
         a, b = logger.eval_history[0], logger.eval_history[-1]
-        held_out = (
-            f"held-out accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> "
-            f"{b['eval_accuracy']:.3f} (step {b['step']}); "
-        )
+        for key in (k for k in a if k.startswith("eval_accuracy") and not k.startswith("eval_accuracy_se")):
+            name = f"{key.partition('/')[2]} accuracy" if "/" in key else "held-out accuracy"
+            if key in b:
+                held_out += f"{name} {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} (step {b['step']}); "
     print(
         f"torchtitan_rl: {held_out}mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
         f"steps {history[0]['step']}..{history[-1]['step']}{f' (resumed at {start})' if start else ''}; "
