@@ -59,6 +59,7 @@ def export_hf(
     tokenizer_dir: str | Path | None = None,
     lora: LoRAConfig | None = None,
     dtype: str = "bfloat16",
+    hf_checkpoint: str | Path | None = None,
 ) -> Path:
     """Write ``state`` (the trainer's tensors, e.g. ``Trainer.sync_state()``) as an HF folder.
 
@@ -92,7 +93,9 @@ def export_hf(
 
     with complete_or_absent(out) as tmp:
         save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = _hf_config(shape, tokenizer_dir, dtype)
+        # The model's own config.json (model.hf_checkpoint), never the tokenizer folder's: task.tokenizer may
+        # lend a random model another checkpoint's tokenizer.
+        config = _hf_config(shape, hf_checkpoint, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         source = Path(tokenizer_dir) if tokenizer_dir is not None else None
         if source is not None and (source / "generation_config.json").is_file():
@@ -167,7 +170,7 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
     checkpoint.load_model(path, model=model)
     return export_hf(
         dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=tokenizer_dir(cfg),
-        lora=cfg.model.lora, dtype=cfg.model.dtype,
+        lora=cfg.model.lora, dtype=cfg.model.dtype, hf_checkpoint=cfg.model.hf_checkpoint,
     )
 
 

@@ -60,6 +60,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.distributed.world import init_world
     from torchtitan_rl.grpo.builder import BatchBuilder
+    from torchtitan_rl.grpo.eval_sets import load_eval_sets
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.job import run_device, run_shape, run_task
     from torchtitan_rl.metrics import MetricsLogger, StepMetrics
@@ -74,6 +75,11 @@ def run(cfg: JobConfig) -> list[dict]:
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     task = run_task(cfg)
     shape = run_shape(cfg, task)
+    evaluator = None
+    if cfg.eval.every_n_steps:  # every set file read now: a bad one stops the run before its folder exists
+        evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
+                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
+                              samples=cfg.metrics.samples_per_eval, sets=load_eval_sets(cfg))
     world = None
     if cfg.job.export_dir is not None:
         from torchtitan_rl.export import check_target
@@ -101,11 +107,6 @@ def run(cfg: JobConfig) -> list[dict]:
             device=device, output_dir=out, batch_invariant=cfg.batch_invariant_mode,
         )
 
-    evaluator = None
-    if cfg.eval.every_n_steps:
-        evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
-                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
-                              samples=cfg.metrics.samples_per_eval)
     trainer = build_trainer()
     reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
@@ -208,7 +209,8 @@ def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, exp
         from torchtitan_rl.export import export_hf
 
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
-                  tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype)
+                  tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype,
+                  hf_checkpoint=cfg.model.hf_checkpoint)
     plot = logger.close()
     if summary and logger.history:
         _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
@@ -223,10 +225,10 @@ def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -
     held_out = ""
     if logger.eval_history:
         a, b = logger.eval_history[0], logger.eval_history[-1]
-        held_out = (
-            f"held-out accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> "
-            f"{b['eval_accuracy']:.3f} (step {b['step']}); "
-        )
+        for key in (k for k in a if k.startswith("eval_accuracy") and not k.startswith("eval_accuracy_se")):
+            name = f"{key.partition('/')[2]} accuracy" if "/" in key else "held-out accuracy"
+            if key in b:
+                held_out += f"{name} {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} (step {b['step']}); "
     print(
         f"torchtitan_rl: {held_out}mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
         f"steps {history[0]['step']}..{history[-1]['step']}{f' (resumed at {start})' if start else ''}; "
