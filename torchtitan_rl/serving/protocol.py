@@ -4,7 +4,6 @@ import socket
 
 import torch.distributed as dist
 
-from torchtitan_rl.config import JobConfig
 from torchtitan_rl.weight_sync.signed_store import SignedStore, session_namespace
 
 SESSION_PREFIX = "torchtitan_rl/serve"
@@ -16,10 +15,6 @@ ENDED = "ended"
 def connect_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to ``host``."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
-
-
-def sync_port(cfg: JobConfig) -> int:
-    return cfg.serve.sync_port or cfg.serve.port + 1
 
 
 def listen(host: str, port: int, field: str) -> socket.socket:

@@ -1,8 +1,8 @@
 """A torch.distributed store whose values are signed with a shared secret (the rollout server's sync messages).
 
-A TCPStore trusts whoever reaches its port: any process can read and write
-any key. The rollout server and its trainer sign every control message they
-put there (the tensor list, the plan, each sync header, each verdict, the
+The rollout server's store is reached only with ``serve.token``
+(serving/sync_store.py); on top of that, the server and its trainer sign
+every control message they put there (the tensor list, the plan, each sync header, each verdict, the
 takeover notice) with HMAC-SHA256 under ``serve.token``, over the session id
 (a fresh random nonce per connection), the key and the value. A value
 written without the token, or copied from another key or another session
