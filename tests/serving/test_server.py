@@ -410,7 +410,10 @@ def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server
         attacker.join()
     assert refused and set(refused) == {401}, set(refused)
     assert stores == []  # no port of the server answers as a store
-    status, _, body = _complete(server, n=2)
+    # Each refusal counted, one line said so (then one count per 30 s while they go on).
+    assert _rejected(server, "requests without serve.token") >= len(refused)
+    assert server.log.read_text().count("rejected POST /control/store from 127.0.0.1") == 1
+    status, _, body = _complete(server, n=4, max_tokens=8, seed=71)  # 32 tokens: a firm logprob check
     assert status == 200 and body["weight_version"] == 71, body
     assert_serves(_as_rollouts(body, 71), models[71], not_=[models[70]])
 
@@ -435,6 +438,10 @@ def test_the_http_port_listens_on_the_serve_host_only(server):
     assert _listeners(server.serve.port) == ["0100007F"]  # 127.0.0.1
 
 
+def _rejected(cfg, what: str) -> int:
+    return _get(cfg, "/health")["rejected"].get(what, 0)
+
+
 def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server):
     from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
 
@@ -447,19 +454,25 @@ def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server
     genuine = store.get(f"{keys}/header/1")
     with pytest.raises(ServerError, match="HTTP 403: key 'elsewhere' is not in a live sync session's keys"):
         store.set("elsewhere", "x")
-    rejected = server.log.read_text().count("rejected a store message")
     forged = json.dumps({"version": 999999, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off",
                          "samples": 0})
-    for value in (forged, genuine):  # written without the token; the first sync's own header, replayed
+    for value in (forged, genuine):  # written without a signature; the first sync's own header, replayed
+        rejected = _rejected(server, "forged store messages")
         store.set(f"{keys}/header/2", value)
         deadline = time.monotonic() + 10
-        while server.log.read_text().count("rejected a store message") < rejected + 1:
+        while _rejected(server, "forged store messages") < rejected + 1:  # the server read it and refused it
             assert time.monotonic() < deadline, server.log.read_text()[-2000:]
             time.sleep(0.05)
-        rejected += 1
         status, _, body = _complete(server, timeout=20)  # not paused by a sync that never comes
         assert status == 200 and body["weight_version"] == 40, body
         assert _get(server, "/health")["weight_version"] == 40
+    # A flood of distinct forgeries adds to the count, not to the log (before: one line each).
+    lines, rejected = server.log.read_text().count("rejected a store message"), _rejected(server, "forged store messages")
+    for i in range(200):
+        store.set(f"{keys}/header/2", json.dumps({"version": 1000 + i}))
+        time.sleep(0.002)
+    assert _rejected(server, "forged store messages") > rejected + 20
+    assert server.log.read_text().count("rejected a store message") == lines == 1, server.log.read_text()[-3000:]
     assert "sync -> version 999999" not in server.log.read_text()
     # The trainer's own next sync overwrites the forgery and lands.
     trainer.sync(native_state(models[41]), version=41)

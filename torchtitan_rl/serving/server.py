@@ -34,8 +34,9 @@ version published last; after a LoRA run's first full sync only the adapter
 moves, one flat bucket). A session thread applies each sync between the
 engine loop's batches (EngineLoop.begin_sync drains what runs). Every
 message in the store is also signed with serve.token for its session
-(weight_sync/signed_store.py): a replayed one is rejected (logged, counted)
-and ignored. A new connect (a restarted or resumed trainer) ends the previous
+(weight_sync/signed_store.py): a replayed one is rejected and ignored.
+Rejections (forged messages, requests without the token or key) are logged
+the first at once, then as one count per 30 s per source. A new connect (a restarted or resumed trainer) ends the previous
 session and leaves it a signed notice that names its replacement; a trainer
 that dies or stalls mid-sync is dropped after serve.sync_timeout_s, leaving
 the previous version served if nothing was written yet, else nothing served
@@ -64,6 +65,7 @@ from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, pair_store, se
 from torchtitan_rl.serving.sync_store import StoreFull, SyncStore
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
+from torchtitan_rl.weight_sync.signed_store import REJECTIONS
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
@@ -245,6 +247,10 @@ class RolloutServer:
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {secret}".encode()):
             what = "control" if key == "token" else "generation"
+            source = request.client.host if request.client else "an unknown address"
+            REJECTIONS(f"requests without serve.{key}", source,
+                       f"torchtitan_rl serve: rejected {request.method} {request.url.path} from {source}: no valid "
+                       f"'Authorization: Bearer <serve.{key}>'")
             raise HttpError(401, f"{what} endpoints need 'Authorization: Bearer <serve.{key}>'",
                             type="authentication_error")
 
@@ -345,7 +351,8 @@ class RolloutServer:
         if not self.loop.alive():
             raise HttpError(503, f"generator: the engine loop stopped: {self.loop.error}", type="server_error")
         return {"status": "ok", "weight_version": self.loop.weight_version,
-                "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats()}, {}
+                "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats(),
+                "rejected": dict(REJECTIONS.totals)}, {}
 
     async def models(self, request):
         return {"object": "list", "data": [{
