@@ -28,13 +28,14 @@ def serve(cfg) -> None:
 
     from torchtitan_rl.serving.engine_loop import EngineLoop
     from torchtitan_rl.engine.generator import Generator
-    from torchtitan_rl.serving.protocol import listen
+    from torchtitan_rl.serving.protocol import bind_gloo, listen
     from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
     from torchtitan_rl.job import run_device, run_shape, run_task
     from transformers import AutoTokenizer
 
     # The port first: a busy one is a one-line error now, not a traceback after the engine's start.
     http_socket = listen(cfg.serve.host, cfg.serve.port, "serve.port")
+    bind_gloo(cfg.serve.host)  # before vLLM builds its process groups: their listeners follow serve.host too
     workdir = Path(cfg.job.output_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     task = run_task(cfg)

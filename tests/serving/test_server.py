@@ -434,8 +434,14 @@ def test_the_sync_store_is_bounded_by_serve_sync_store_mb_and_dropped_two_sessio
         store.check([f"{keys}/0"])
 
 
-def test_the_http_port_listens_on_the_serve_host_only(server):
-    assert _listeners(server.serve.port) == ["0100007F"]  # 127.0.0.1
+def test_every_listener_of_the_server_is_on_the_serve_host(server):
+    """The HTTP port, vLLM's own process groups and the sync session's gloo pair: all on 127.0.0.1 (serve.host),
+    none on the machine's other addresses (before: gloo and TCPStore listeners bound the hostname's address or
+    every interface, and GLOO_SOCKET_IFNAME moved them to that interface)."""
+    _connect(server).sync(native_state(trainer_model(seed=1)), version=1)  # a live session: its pair listens too
+    listeners = _process_listeners(server.pid)
+    assert (("0100007F", server.serve.port)) in listeners
+    assert {address for address, _ in listeners} == {"0100007F"}, listeners
 
 
 def _rejected(cfg, what: str) -> int:
@@ -663,6 +669,25 @@ def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
         assert "it does not answer" in str(e.value) and "\n" not in str(e.value)
         with pytest.raises(ServerGone, match=f"rollout server {url}: no answer to POST /v1/completions"):
             trainer.rollouts(PROMPTS[:1])
+
+
+def test_a_gloo_socket_ifname_off_the_serve_host_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """GLOO_SOCKET_IFNAME naming another interface than serve.host's would put vLLM's and the sync's gloo
+    listeners there (before: 13 listeners on it while serve.host was 127.0.0.1): refused before the engine."""
+    import psutil
+
+    from tests.helpers import assert_one_line_error, run_module
+
+    other = next((name for name, addrs in psutil.net_if_addrs().items()
+                  if name != "lo" and any(a.family == socket.AF_INET for a in addrs)), None)
+    if other is None:
+        pytest.skip("needs a network interface besides loopback")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", other)
+    proc = run_module("torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
+                      "--serve.token", TOKEN, "--serve.port", str(free_port()), timeout=120)
+    assert_one_line_error(proc, f"serve.host: 127.0.0.1 is on interface lo, but GLOO_SOCKET_IFNAME={other} would put "
+                          f"the server's gloo listeners on {other}", prefix="torchtitan_rl: error: ")
+    assert not (tmp_path / "generator_model").exists()  # the engine was never built
 
 
 def test_serve_without_a_token_is_one_line_and_exit_2():
