@@ -58,6 +58,7 @@ def config(workdir: Path):
     cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
     cfg.job.output_dir = str(workdir / "trainer")
     cfg.serve.port, cfg.serve.token = free_port(), TOKEN
+    cfg.serve.takeover = True  # trainers one after another on one server
     return cfg
 
 

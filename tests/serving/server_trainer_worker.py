@@ -27,6 +27,7 @@ from torchtitan_rl.weight_sync import nccl_sender  # noqa: E402
 def main(port: int, token: str, api_key: str, die_after: int, stop: bool) -> None:
     cfg = load_toml(Path(__file__).resolve().parents[2] / "run_configs" / "cpu_tiny.toml")
     cfg.serve.port, cfg.serve.token, cfg.serve.api_key = port, token, api_key
+    cfg.serve.takeover = True  # it follows the test's own trainers on one server
     cfg.weight_sync.peer_timeout_s = 60.0
     init_process_group(torch.device("cpu"))
     generator = ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))

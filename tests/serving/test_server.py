@@ -52,6 +52,7 @@ def _config(port: int, out: Path):
     cfg.serve.port, cfg.serve.token, cfg.serve.api_key = port, TOKEN, API_KEY
     cfg.weight_sync.transport = "server"
     cfg.weight_sync.peer_timeout_s = 60.0
+    cfg.serve.takeover = True  # the tests play one trainer after another on one server
     return cfg
 
 
@@ -549,7 +550,18 @@ def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server
 
     first = _connect(server)
     first.sync(native_state(trainer_model(seed=50)), version=50)
-    second = _connect(server)
+    # Without serve.takeover a second trainer is refused, in one line, and the first keeps its session; an empty
+    # body (curl -X POST) asks for no takeover either (before: both replaced the running trainer).
+    polite = dataclasses.replace(server, serve=dataclasses.replace(server.serve, takeover=False))
+    with pytest.raises(ServerGone, match=r"a trainer is connected \(session [0-9a-f]{8}, since [0-9:]{8}\); connect "
+                                         r'with \{"takeover": true\} to replace it \(the trainer\'s serve.takeover\)'):
+        _connect(polite)
+    status, _, body = _request(server, "POST", "/control/connect", raw=b"", token=TOKEN)
+    assert status == 409 and body["error"]["type"] == "conflict", body
+    first.sync(native_state(trainer_model(seed=52)), version=52)  # still its session
+    status, _, body = _request(server, "POST", "/control/connect", {"takeover": "yes"}, token=TOKEN)
+    assert status == 400 and body["error"]["param"] == "takeover", body
+    second = _connect(server)  # serve.takeover: replaces it
     second.sync(native_state(trainer_model(seed=0)), version=0)  # a new run restarts its versions
     status, headers, body = _complete(server)
     assert (body["weight_version"], body["weight_session"]) == (0, second.session), body

@@ -444,6 +444,10 @@ class ServeConfig:
     max_n: int = 4096
     """Most completions one request may ask for (n times the number of prompts); a training step asks for
     grpo.prompts_per_step x grpo.group_size in one request."""
+    takeover: bool = False
+    """Trainer side: replace the trainer connected to the server now (it is told so in one line at its next
+    sync); without it, connecting to a server that has a trainer is a one-line error naming this field. A
+    trainer that died between syncs still holds its session: restart it with takeover."""
     sync_store_mb: float = 64.0
     """Most MiB the trainer's sync messages (its tensor list, the plans, each sync's header) may hold in the
     server's memory; a write past it gets 413. The store is reached only through /control/store, with

@@ -161,7 +161,13 @@ class ServerGenerator:
         reply = [None]
         if self.rank == 0:
             self.client.wait_ready(timeout_s)
-            reply = [self.client.request("POST", "/control/connect", {})]
+            try:
+                reply = [self.client.request("POST", "/control/connect", {"takeover": cfg.serve.takeover})]
+            except ServerError as e:  # 409: another trainer is connected and serve.takeover is off
+                if e.status != 409:
+                    raise
+                raise ServerGone(f"rollout server {self.client.base_url}: {e.message}; or stop that trainer "
+                                 "first") from None
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]

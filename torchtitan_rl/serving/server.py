@@ -10,7 +10,8 @@ NaN-poisoned: it serves nothing before the first sync), an EngineLoop
     GET  /v1/models            the served model (serve.model_name)
     POST /v1/completions       text or token-id prompts
     POST /v1/chat/completions  messages through the checkpoint's chat template
-    POST /control/connect      (Bearer serve.token) a trainer opens a sync session
+    POST /control/connect      (Bearer serve.token) a trainer opens a sync session; {"takeover": true}
+                               to replace one that is connected (409 without it)
     POST /control/store        (Bearer serve.token) its ranks' store operations (set, get, wait, ...)
     POST /control/disconnect   (Bearer serve.token) it closes it
 
@@ -86,10 +87,23 @@ class SyncSessions:
         self._lock = threading.Lock()
         """Held while a sync is applied: an ending session never overlaps the next one's sync."""
         self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._since = ""
+        """When the current session connected (HH:MM:SS), for the refusal of a second trainer."""
         self.session: str | None = None
         self.syncs = 0
 
-    def connect(self) -> str:
+    def connected(self) -> str | None:
+        """The session of the trainer connected now: not disconnected, its thread not ended by a failure."""
+        alive = self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return self.session if alive else None
+
+    def connect(self, *, takeover: bool) -> str:
+        current = self.connected()
+        if current is not None and not takeover:
+            raise HttpError(409, f"a trainer is connected (session {current[:8]}, since {self._since}); connect "
+                                 "with {\"takeover\": true} to replace it (the trainer's serve.takeover)",
+                            type="conflict")
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
@@ -101,9 +115,10 @@ class SyncSessions:
         if self._previous is not None:  # two sessions back: nobody reads its keys any more
             self.sync_store.drop(session_prefix(self._previous, secret=self.secret) + "/")
         self._previous = self.session
-        self._stop, self.session = threading.Event(), session
-        threading.Thread(target=self._serve, args=(session, self._stop),
-                         name=f"sync-{session[:8]}", daemon=True).start()
+        self._stop, self.session, self._since = threading.Event(), session, time.strftime("%H:%M:%S")
+        self._thread = threading.Thread(target=self._serve, args=(session, self._stop),
+                                        name=f"sync-{session[:8]}", daemon=True)
+        self._thread.start()
         return session
 
     def owns(self, key: str) -> bool:
@@ -226,8 +241,9 @@ class RolloutServer:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- helpers ----------------------------------------------------------------
-    async def _json(self, request, *, field: str = "max_body_mb") -> dict:
-        """The body's JSON, at most serve.<field> MiB (max_body_mb; the store's values: sync_store_mb)."""
+    async def _json(self, request, *, field: str = "max_body_mb", empty=None) -> dict:
+        """The body's JSON, at most serve.<field> MiB (max_body_mb; the store's values: sync_store_mb);
+        ``empty`` (when not None) stands for an empty body."""
         mb = getattr(self.cfg.serve, field)
         limit = int(mb * (1 << 20)) * (2 if field == "sync_store_mb" else 1)  # base64 and JSON around the values
         length = request.headers.get("content-length")
@@ -238,6 +254,8 @@ class RolloutServer:
             raw += chunk
             if len(raw) > limit:
                 raise HttpError(413, f"request body exceeds serve.{field} ({mb:g} MiB)")
+        if not raw and empty is not None:
+            return empty
         return await self._off_loop(_loads, raw)
 
     def _authorize(self, request, key: str) -> None:
@@ -436,7 +454,11 @@ class RolloutServer:
         return self._envelope("chat.completion", choices, samples, len(prompt))
 
     async def connect(self, request):
-        session = self.sessions.connect()
+        body = await self._json(request, empty={})
+        takeover = body.get("takeover", False) if isinstance(body, dict) else None
+        if not isinstance(takeover, bool):
+            raise HttpError(400, "takeover: true or false (replace a connected trainer)", param="takeover")
+        session = self.sessions.connect(takeover=takeover)
         return {"session": session, "store_prefix": SESSION_PREFIX, "weight_version": self.loop.weight_version}, {}
 
     async def store(self, request):
