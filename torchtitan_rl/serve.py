@@ -28,6 +28,7 @@ def serve(cfg) -> None:
 
     from torchtitan_rl.serving.engine_loop import EngineLoop
     from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.serving.http_limits import with_header_deadline
     from torchtitan_rl.serving.protocol import bind_gloo, listen
     from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
     from torchtitan_rl.job import run_device, run_shape, run_task
@@ -54,7 +55,8 @@ def serve(cfg) -> None:
         print(f"torchtitan_rl serve: http://{cfg.serve.host}:{cfg.serve.port} (model {cfg.serve.model_name!r}, "
               f"generation {'behind serve.api_key' if cfg.serve.api_key else 'open'}); "
               "nothing is served before the trainer's first sync", flush=True)
-        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5)).run(
+        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5,
+                                      http=with_header_deadline(cfg.serve.read_timeout_s))).run(
             sockets=[http_socket])
     finally:
         loop.close()

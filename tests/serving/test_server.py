@@ -44,6 +44,10 @@ SYNC_TIMEOUT_S = 5.0
 """serve.sync_timeout_s of the server: a stalled trainer's sync is dropped after this."""
 MAX_REQUESTS = 48
 """serve.max_concurrent_requests of the server: above the load test's 32 clients."""
+PER_CLIENT = 100
+"""serve.max_requests_per_client of the server: above the 429 test's 72 clients (all from 127.0.0.1)."""
+READ_TIMEOUT_S = 3.0
+"""serve.read_timeout_s of the server: a slow client's headers or body are cut off after this."""
 
 
 def _config(port: int, out: Path):
@@ -65,7 +69,8 @@ def _server_process(out: Path):
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(out / "server"),
          "--serve.port", str(cfg.serve.port),
          "--generator.wait_for_weights_s", str(WAIT_S), "--weight_sync.peer_timeout_s", "60",
-         "--serve.sync_timeout_s", str(SYNC_TIMEOUT_S), "--serve.max_concurrent_requests", str(MAX_REQUESTS)],
+         "--serve.sync_timeout_s", str(SYNC_TIMEOUT_S), "--serve.max_concurrent_requests", str(MAX_REQUESTS),
+         "--serve.max_requests_per_client", str(PER_CLIENT), "--serve.read_timeout_s", str(READ_TIMEOUT_S)],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "TORCHTITAN_RL_SERVE_TOKEN": TOKEN, "TORCHTITAN_RL_API_KEY": API_KEY},
     )
@@ -543,6 +548,58 @@ def test_more_requests_than_serve_max_concurrent_requests_get_429_with_retry_aft
     assert all(h["retry-after"] == "1" and "serve.max_concurrent_requests" in b["error"]["message"]
                for h, b in limited)
     assert {status for status, _, _ in replies} == {200, 429}
+
+
+def _response(sock: socket.socket, *, timeout_s: float) -> str:
+    """One HTTP response read from a raw socket: status line, headers and a Content-Length body."""
+    sock.settimeout(timeout_s)
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        chunk = sock.recv(4096)
+        assert chunk, raw
+        raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, raw
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()
+
+
+def test_slow_uploads_from_one_address_are_capped_and_cut_off_while_other_clients_are_served(server):
+    """PER_CLIENT + 20 uploads from 127.0.0.2 that announce a body and never finish it, and 20 connections that
+    never finish their headers (before: 1,100 such uploads held every serve.max_concurrent_requests slot and
+    every other client got 429)."""
+    _ensure_weights(server)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n{{").encode()
+    uploads, headers = [], []
+    try:
+        for _ in range(PER_CLIENT + 20):
+            sock = socket.create_connection(("127.0.0.1", server.serve.port), source_address=("127.0.0.2", 0))
+            sock.sendall(head)
+            uploads.append(sock)
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", server.serve.port), source_address=("127.0.0.2", 0))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            headers.append(sock)
+        started = time.monotonic()
+        status, _, body = _complete(server, timeout=30)  # another client, meanwhile
+        assert status == 200, body
+        assert time.monotonic() - started < READ_TIMEOUT_S  # served at once, not after the slow ones were cut
+        answers = [_response(sock, timeout_s=READ_TIMEOUT_S + 10) for sock in uploads]
+        assert sum(a.startswith("HTTP/1.1 429") and "serve.max_requests_per_client" in a for a in answers) == 20
+        assert sum(a.startswith("HTTP/1.1 408") and "serve.read_timeout_s" in a for a in answers) == PER_CLIENT
+        for sock in headers:  # closed without a word: no request ever began
+            sock.settimeout(READ_TIMEOUT_S + 10)
+            assert sock.recv(4096) == b""
+        assert time.monotonic() - started < READ_TIMEOUT_S + 10
+    finally:
+        for sock in uploads + headers:
+            sock.close()
+    log = server.log.read_text()
+    assert log.count("from 127.0.0.2 that sent no complete request headers") == 1, log[-2000:]
 
 
 def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server):

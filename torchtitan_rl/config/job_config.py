@@ -435,8 +435,15 @@ class ServeConfig:
     the sync of a dead or stalled trainer and serves on; also how long a request queued behind a sync waits
     before its 503."""
     max_concurrent_requests: int = 1024
-    """Generation requests in progress at once (queued for the engine or running); one more gets 429 with
-    Retry-After."""
+    """Generation requests in progress at once (queued for the engine or running, counted once their body is
+    read: a slow upload holds no slot); one more gets 429 with Retry-After."""
+    max_requests_per_client: int = 256
+    """Generation requests one client address may have open at once, from their first byte (uploads
+    included); one more gets 429 with Retry-After. Keeps one client's slow or many uploads from starving the
+    others."""
+    read_timeout_s: float = 30.0
+    """Seconds a client may take to send a request's headers (then its connection is closed) and, once they
+    are in, its body (then 408)."""
     model_name: str = "torchtitan_rl"
     """Model name listed at /v1/models; requests naming another model get 404."""
     max_body_mb: float = 16.0
@@ -465,7 +472,8 @@ class ServeConfig:
         if not self.api_key and not _loopback(self.host):
             raise ValueError(f"{path}.api_key: required when serve.host ({self.host}) is reachable beyond this "
                              "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
-        positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests", "sync_store_mb")
+        positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests", "sync_store_mb",
+                 "max_requests_per_client", "read_timeout_s")
 
 
 @dataclass(kw_only=True)

@@ -22,7 +22,10 @@ reason and ``Retry-After``; never a token from dummy weights. Every response
 carries the version that produced it and the trainer session that sent it.
 Parsing, templating and tokenizing run on a thread pool, after a character
 cap, so the event loop (and /health) never waits for a big prompt; more than
-``serve.max_concurrent_requests`` requests in progress get 429. A client that
+``serve.max_concurrent_requests`` requests in progress (counted once their
+body is in) or ``serve.max_requests_per_client`` open from one address get
+429, and a body slower than ``serve.read_timeout_s`` gets 408 (headers:
+serving/http_limits.py). A client that
 disconnects has its samples aborted in the engine.
 
 Weights: a trainer connects (``/control/connect``), gets a random session id,
@@ -179,7 +182,9 @@ class RolloutServer:
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
         """JSON parsing, validation, chat templates and tokenizing: off the event loop."""
         self.in_progress = 0
-        """Generation requests between their first byte and their response (the event loop's own count)."""
+        """Generation requests between their body's last byte and their response (the event loop's own count)."""
+        self.per_client: dict[str, int] = {}
+        """Generation requests between their first byte and their response, per client address."""
 
     def app(self):
         from starlette.applications import Starlette
@@ -216,15 +221,24 @@ class RolloutServer:
         return handle
 
     async def _generation(self, request, fn):
-        """``fn(body)`` under the concurrency cap, cancelled (its samples aborted) if the client goes away."""
-        cap = self.cfg.serve.max_concurrent_requests
-        if self.in_progress >= cap:
-            raise HttpError(429, f"{cap} generation requests are in progress (serve.max_concurrent_requests); "
+        """``fn(body)`` under the per-client and the global caps, cancelled (its samples aborted) if the client
+        goes away. The global cap counts a request once its body is in: slow uploads cannot hold its slots."""
+        client = request.client.host if request.client else ""
+        mine = self.cfg.serve.max_requests_per_client
+        if self.per_client.get(client, 0) >= mine:
+            raise HttpError(429, f"{mine} generation requests from {client} are open (serve.max_requests_per_client); "
                                  "retry later", type="rate_limit_error", headers={"Retry-After": "1"})
-        self.in_progress += 1
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        counted = False
         work = gone = None
         try:
             body = await self._json(request)
+            cap = self.cfg.serve.max_concurrent_requests
+            if self.in_progress >= cap:
+                raise HttpError(429, f"{cap} generation requests are in progress (serve.max_concurrent_requests); "
+                                     "retry later", type="rate_limit_error", headers={"Retry-After": "1"})
+            self.in_progress += 1
+            counted = True
             work = asyncio.ensure_future(fn(body))
             gone = asyncio.ensure_future(_disconnected(request))  # only once the body is read: one reader
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -232,7 +246,10 @@ class RolloutServer:
                 raise HttpError(499, "the client closed the connection")  # nobody reads this answer
             return work.result()
         finally:
-            self.in_progress -= 1
+            self.in_progress -= counted
+            self.per_client[client] -= 1
+            if not self.per_client[client]:
+                del self.per_client[client]
             for task in (work, gone):
                 if task is not None and not task.done():
                     task.cancel()  # also when uvicorn cancels this handler: the samples are aborted
@@ -250,10 +267,20 @@ class RolloutServer:
         if length is not None and int(length) > limit:
             raise HttpError(413, f"request body of {int(length)} bytes exceeds serve.{field} ({mb:g} MiB)")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise HttpError(413, f"request body exceeds serve.{field} ({mb:g} MiB)")
+        timeout_s = self.cfg.serve.read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > limit:
+                        raise HttpError(413, f"request body exceeds serve.{field} ({mb:g} MiB)")
+        except TimeoutError:
+            source = request.client.host if request.client else "an unknown address"
+            REJECTIONS("requests too slow to send their body", source,
+                       f"torchtitan_rl serve: answered 408 to {request.method} {request.url.path} from {source}: "
+                       f"its body took over {timeout_s:g} s (serve.read_timeout_s)")
+            raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s (serve.read_timeout_s)",
+                            headers={"Connection": "close"}) from None
         if not raw and empty is not None:
             return empty
         return await self._off_loop(_loads, raw)
