@@ -419,6 +419,7 @@ def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server
     # Each refusal counted, one line said so (then one count per 30 s while they go on).
     assert _rejected(server, "requests without serve.token") >= len(refused)
     assert server.log.read_text().count("rejected POST /control/store from 127.0.0.1") == 1
+    assert "Invalid HTTP request received" not in server.log.read_text()  # a TCPStore handshake: counted, not a line each
     status, _, body = _complete(server, n=4, max_tokens=8, seed=71)  # 32 tokens: a firm logprob check
     assert status == 200 and body["weight_version"] == 71, body
     assert_serves(_as_rollouts(body, 71), models[71], not_=[models[70]])

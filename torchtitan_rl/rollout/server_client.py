@@ -196,9 +196,9 @@ class ServerGenerator:
         self._check_session()
         try:
             seconds = self.sender.sync(state, version=version).seconds
-        except ValueError:
-            raise  # a state dict the sync refused: it names the tensors
         except Exception as e:  # gloo, the store or a verdict: say which server, and whether it still answers
+            if isinstance(e, ValueError) and not isinstance(e, ServerGone):
+                raise  # a state dict the sync refused: it names the tensors
             self._check_session()
             try:
                 self.client.request("GET", "/health")

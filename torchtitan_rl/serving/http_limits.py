@@ -1,11 +1,13 @@
-"""What uvicorn does not bound: how long a client may take to send a request's headers.
+"""What uvicorn does not bound: how long a client may take to send a request's headers, and its log.
 
 uvicorn waits forever for headers that never end (or a connection that
 never sends a byte): a slowloris holds a connection and its buffer for as
 long as it likes. ``with_header_deadline`` returns uvicorn's HTTP protocol
 with a deadline: a connection whose next request's headers are not complete
 ``timeout_s`` after its first byte (or after it opened) is closed. The body
-has its own deadline in the handlers (server.py: ``_json``).
+has its own deadline in the handlers (server.py: ``_json``). uvicorn also logs
+a warning per malformed request, which anyone can repeat by the thousand:
+those go to the rejection log (one line, then a count per 30 s).
 """
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -18,6 +20,7 @@ class _HeaderDeadline(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.logger = _Counted(self.logger, self.client[0] if self.client else "an unknown address")
         self._deadline = None
         self._arm()
 
@@ -42,6 +45,23 @@ class _HeaderDeadline(HttpToolsProtocol):
                        f"torchtitan_rl serve: closed a connection from {source} that sent no complete request "
                        f"headers within {self.timeout_s:g} s (serve.read_timeout_s)")
             self.transport.close()
+
+
+class _Counted:
+    """uvicorn's logger for one connection, whose per-request 'Invalid HTTP request received.' is counted."""
+
+    def __init__(self, logger, source: str) -> None:
+        self._logger, self._source = logger, source
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        if msg != "Invalid HTTP request received.":
+            self._logger.warning(msg, *args, **kwargs)
+            return
+        REJECTIONS("invalid HTTP requests", self._source,
+                   f"torchtitan_rl serve: rejected an invalid HTTP request from {self._source}")
+
+    def __getattr__(self, name):
+        return getattr(self._logger, name)
 
 
 def with_header_deadline(timeout_s: float) -> type:
