@@ -318,6 +318,9 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
             {"role": "user", "content": "hi"}]}), 400, "no chat template"),
         (_request(server, "POST", "/control/connect", {"trainer_ranks": 1}), 401, "serve.token"),
         (_request(server, "POST", "/control/connect", {"trainer_ranks": 1}, token="wrong"), 401, "serve.token"),
+        (_request(server, "POST", "/control/store", [1], token=TOKEN), 400, "a JSON object"),
+        (_request(server, "POST", "/control/store", {"op": "get", "key": "x"}, token=TOKEN), 403,
+         "not in a live sync session's keys"),
     ]
     for (status, _, body), want, text in cases:
         assert status == want, (want, text, body)

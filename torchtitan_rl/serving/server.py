@@ -176,7 +176,6 @@ class RolloutServer:
         self.cfg, self.loop, self.sessions, self.tokenizer = cfg, loop, sessions, tokenizer
         self.max_model_len = cfg.generator.max_model_len
         self.vocab_size = loop.generator.shape.vocab_size
-        self.max_body = int(cfg.serve.max_body_mb * (1 << 20))
         # No token spells more characters than the longest vocabulary entry: a longer text cannot fit.
         self.max_chars = self.max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
@@ -491,7 +490,9 @@ class RolloutServer:
     async def store(self, request):
         """One operation of a trainer rank on the sync store (rollout/server_client.py: HttpStore)."""
         body = await self._json(request, field="sync_store_mb")
-        op = body.get("op") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            raise HttpError(400, "body: a JSON object {\"op\", \"key\" or \"keys\", ...}")
+        op = body.get("op")
         keys = body.get("keys") if op in ("check", "wait") else [body.get("key")]
         if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
             raise HttpError(400, "key/keys: the store keys of this operation", param="key")
@@ -511,12 +512,18 @@ class RolloutServer:
             if op == "check":
                 return {"ready": store.check(keys)}, {}
             if op == "wait":  # a long poll, at most _WAIT_SLICE_S: the client asks again until its own timeout
-                deadline = time.monotonic() + min(float(body.get("timeout_s", 0)), _WAIT_SLICE_S)
+                timeout_s = body.get("timeout_s", 0)
+                if not isinstance(timeout_s, (int, float)):
+                    raise HttpError(400, "timeout_s: seconds to wait", param="timeout_s")
+                deadline = time.monotonic() + min(timeout_s, _WAIT_SLICE_S)
                 while not (ready := store.check(keys)) and time.monotonic() < deadline:
                     await asyncio.sleep(_POLL_S / 5)
                 return {"ready": ready}, {}
             if op == "add":
-                return {"value": store.add(key, int(body.get("amount", 0)))}, {}
+                amount = body.get("amount", 0)
+                if not isinstance(amount, int):
+                    raise HttpError(400, "amount: an integer", param="amount")
+                return {"value": store.add(key, amount)}, {}
             if op == "compare_set":
                 value = store.compare_set(key, _b64(body, "expected"), _b64(body, "desired"))
                 return {"value": base64.b64encode(value).decode()}, {}
