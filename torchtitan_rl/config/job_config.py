@@ -451,6 +451,9 @@ class ServeConfig:
     max_n: int = 4096
     """Most completions one request may ask for (n times the number of prompts); a training step asks for
     grpo.prompts_per_step x grpo.group_size in one request."""
+    sync_port: int = 0
+    """Ignored: the server opens no store port since the sync store moved behind /control/store; kept so the
+    config.toml of a run written before still loads (--resume)."""
     takeover: bool = False
     """Trainer side: replace the trainer connected to the server now (it is told so in one line at its next
     sync); without it, connecting to a server that has a trainer is a one-line error naming this field. A
