@@ -48,7 +48,7 @@ def start_server(cfg, workdir: Path, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(REPO / "run_configs" / "cpu_tiny.toml"),
          "--job.output_dir", str(workdir / "server"), "--serve.port", str(cfg.serve.port),
-         "--serve.sync_port", str(cfg.serve.sync_port), "--serve.token", TOKEN, *extra],
+         "--serve.token", TOKEN, *extra],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     ServerClient(f"http://127.0.0.1:{cfg.serve.port}").wait_ready(600)
     return proc
@@ -57,7 +57,8 @@ def start_server(cfg, workdir: Path, *extra: str) -> subprocess.Popen:
 def config(workdir: Path):
     cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
     cfg.job.output_dir = str(workdir / "trainer")
-    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token = free_port(), free_port(), TOKEN
+    cfg.serve.port, cfg.serve.token = free_port(), TOKEN
+    cfg.serve.takeover = True  # trainers one after another on one server
     return cfg
 
 

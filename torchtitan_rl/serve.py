@@ -28,14 +28,15 @@ def serve(cfg) -> None:
 
     from torchtitan_rl.serving.engine_loop import EngineLoop
     from torchtitan_rl.engine.generator import Generator
-    from torchtitan_rl.serving.protocol import listen, sync_port
+    from torchtitan_rl.serving.http_limits import with_header_deadline
+    from torchtitan_rl.serving.protocol import bind_gloo, listen
     from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
     from torchtitan_rl.job import run_device, run_shape, run_task
     from transformers import AutoTokenizer
 
-    # Both ports first: a busy one is a one-line error now, not a traceback after the engine's start.
+    # The port first: a busy one is a one-line error now, not a traceback after the engine's start.
     http_socket = listen(cfg.serve.host, cfg.serve.port, "serve.port")
-    sync_socket = listen(cfg.serve.host, sync_port(cfg), "serve.sync_port")
+    bind_gloo(cfg.serve.host)  # before vLLM builds its process groups: their listeners follow serve.host too
     workdir = Path(cfg.job.output_dir)
     workdir.mkdir(parents=True, exist_ok=True)
     task = run_task(cfg)
@@ -48,13 +49,14 @@ def serve(cfg) -> None:
     )
     loop = EngineLoop(generator, sync_wait_s=cfg.serve.sync_timeout_s)
     try:
-        sessions = SyncSessions(loop, listener=sync_socket, device=device, secret=cfg.serve.token,
-                                timeout_s=cfg.serve.sync_timeout_s)
+        sessions = SyncSessions(loop, device=device, secret=cfg.serve.token, timeout_s=cfg.serve.sync_timeout_s,
+                                store_bytes=int(cfg.serve.sync_store_mb * (1 << 20)))
         server = RolloutServer(cfg, loop=loop, sessions=sessions, tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir))
         print(f"torchtitan_rl serve: http://{cfg.serve.host}:{cfg.serve.port} (model {cfg.serve.model_name!r}, "
-              f"sync port {sync_port(cfg)}, generation {'behind serve.api_key' if cfg.serve.api_key else 'open'}); "
+              f"generation {'behind serve.api_key' if cfg.serve.api_key else 'open'}); "
               "nothing is served before the trainer's first sync", flush=True)
-        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5)).run(
+        uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=5,
+                                      http=with_header_deadline(cfg.serve.read_timeout_s))).run(
             sockets=[http_socket])
     finally:
         loop.close()

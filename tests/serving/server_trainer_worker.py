@@ -1,6 +1,6 @@
 """A trainer that dies in the middle of a sync (tests/serving/test_server.py).
 
-python server_trainer_worker.py PORT SYNC_PORT TOKEN API_KEY DIE_AFTER [stop]: connects to
+python server_trainer_worker.py PORT TOKEN API_KEY DIE_AFTER [stop]: connects to
 the rollout server, syncs version 30 in full, then starts syncing version 31
 in 4 KiB buckets and exits (code 3) right after its DIE_AFTER-th broadcast of
 it has left, as a killed process would: no error message, no goodbye. With
@@ -24,9 +24,10 @@ from torchtitan_rl.distributed.process_group import init_process_group  # noqa: 
 from torchtitan_rl.weight_sync import nccl_sender  # noqa: E402
 
 
-def main(port: int, sync_port: int, token: str, api_key: str, die_after: int, stop: bool) -> None:
+def main(port: int, token: str, api_key: str, die_after: int, stop: bool) -> None:
     cfg = load_toml(Path(__file__).resolve().parents[2] / "run_configs" / "cpu_tiny.toml")
-    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token, cfg.serve.api_key = port, sync_port, token, api_key
+    cfg.serve.port, cfg.serve.token, cfg.serve.api_key = port, token, api_key
+    cfg.serve.takeover = True  # it follows the test's own trainers on one server
     cfg.weight_sync.peer_timeout_s = 60.0
     init_process_group(torch.device("cpu"))
     generator = ServerGenerator(cfg, reference=native_state(trainer_model(seed=0)), device=torch.device("cpu"))
@@ -52,4 +53,4 @@ def main(port: int, sync_port: int, token: str, api_key: str, die_after: int, st
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:] == ["stop"])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:] == ["stop"])

@@ -44,31 +44,37 @@ SYNC_TIMEOUT_S = 5.0
 """serve.sync_timeout_s of the server: a stalled trainer's sync is dropped after this."""
 MAX_REQUESTS = 48
 """serve.max_concurrent_requests of the server: above the load test's 32 clients."""
+PER_CLIENT = 100
+"""serve.max_requests_per_client of the server: above the 429 test's 72 clients (all from 127.0.0.1)."""
+READ_TIMEOUT_S = 3.0
+"""serve.read_timeout_s of the server: a slow client's headers or body are cut off after this."""
 
 
-def _config(port: int, sync_port: int, out: Path):
+def _config(port: int, out: Path):
     cfg = load_toml(CPU_TINY)
     cfg.job.output_dir = str(out)
-    cfg.serve.port, cfg.serve.sync_port, cfg.serve.token, cfg.serve.api_key = port, sync_port, TOKEN, API_KEY
+    cfg.serve.port, cfg.serve.token, cfg.serve.api_key = port, TOKEN, API_KEY
     cfg.weight_sync.transport = "server"
     cfg.weight_sync.peer_timeout_s = 60.0
+    cfg.serve.takeover = True  # the tests play one trainer after another on one server
     return cfg
 
 
 @contextlib.contextmanager
 def _server_process(out: Path):
     """A server process on 127.0.0.1, up and answering; yields (its config, the process)."""
-    cfg = _config(free_port(), free_port(), out / "trainer")
+    cfg = _config(free_port(), out / "trainer")
     log = open(out / "server.log", "w")
     proc = subprocess.Popen(  # the secrets from the environment, as a user keeps them out of `ps`
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(out / "server"),
-         "--serve.port", str(cfg.serve.port), "--serve.sync_port", str(cfg.serve.sync_port),
+         "--serve.port", str(cfg.serve.port),
          "--generator.wait_for_weights_s", str(WAIT_S), "--weight_sync.peer_timeout_s", "60",
-         "--serve.sync_timeout_s", str(SYNC_TIMEOUT_S), "--serve.max_concurrent_requests", str(MAX_REQUESTS)],
+         "--serve.sync_timeout_s", str(SYNC_TIMEOUT_S), "--serve.max_concurrent_requests", str(MAX_REQUESTS),
+         "--serve.max_requests_per_client", str(PER_CLIENT), "--serve.read_timeout_s", str(READ_TIMEOUT_S)],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "TORCHTITAN_RL_SERVE_TOKEN": TOKEN, "TORCHTITAN_RL_API_KEY": API_KEY},
     )
-    cfg.log = out / "server.log"
+    cfg.log, cfg.pid = out / "server.log", proc.pid
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -312,6 +318,9 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
             {"role": "user", "content": "hi"}]}), 400, "no chat template"),
         (_request(server, "POST", "/control/connect", {"trainer_ranks": 1}), 401, "serve.token"),
         (_request(server, "POST", "/control/connect", {"trainer_ranks": 1}, token="wrong"), 401, "serve.token"),
+        (_request(server, "POST", "/control/store", [1], token=TOKEN), 400, "a JSON object"),
+        (_request(server, "POST", "/control/store", {"op": "get", "key": "x"}, token=TOKEN), 403,
+         "not in a live sync session's keys"),
     ]
     for (status, _, body), want, text in cases:
         assert status == want, (want, text, body)
@@ -341,96 +350,151 @@ def _listeners(port: int) -> list[str]:
     return found
 
 
-def test_the_http_and_sync_ports_listen_on_the_serve_host_only(server):
-    assert _listeners(server.serve.port) == ["0100007F"]  # 127.0.0.1
-    assert _listeners(server.serve.sync_port) == ["0100007F"]
+def _process_listeners(pid: int) -> list[tuple[str, int]]:
+    """(hex address as /proc/net writes it, port) of every TCP socket process ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port_hex = fields[1].rsplit(":", 1)
+            if fields[3] == "0A" and fields[9] in inodes:
+                found.append((address, int(port_hex, 16)))
+    return found
 
 
-def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server):
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    trainer = _connect(server)
-    models = {40: trainer_model(seed=40), 41: trainer_model(seed=41)}
-    trainer.sync(native_state(models[40]), version=40)
-    # An attacker on the sync port, without the token: it can read the keys, not sign them.
-    store = dist.TCPStore("127.0.0.1", server.serve.sync_port, is_master=False, timeout=timedelta(seconds=10))
-    keys = f"torchtitan_rl/serve/{session_namespace(TOKEN, trainer.session)}/torchtitan_rl/weight_sync/weights"
-    genuine = store.get(f"{keys}/header/1")
-    rejected = server.log.read_text().count("rejected a store message")
-    forged = json.dumps({"version": 999999, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off",
-                         "samples": 0})
-    for value in (forged, genuine):  # written without the token; the first sync's own header, replayed
-        store.set(f"{keys}/header/2", value)
-        deadline = time.monotonic() + 10
-        while server.log.read_text().count("rejected a store message") < rejected + 1:
-            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
-            time.sleep(0.05)
-        rejected += 1
-        status, _, body = _complete(server, timeout=20)  # not paused by a sync that never comes
-        assert status == 200 and body["weight_version"] == 40, body
-        assert _get(server, "/health")["weight_version"] == 40
-    assert "sync -> version 999999" not in server.log.read_text()
-    # The trainer's own next sync overwrites the forgery and lands.
-    trainer.sync(native_state(models[41]), version=41)
-    status, _, body = _complete(server, n=2)
-    assert status == 200 and body["weight_version"] == 41 and body["weight_session"] == trainer.session, body
-    assert_serves(_as_rollouts(body, 41), models[41], not_=[models[40]])
-
-
-def test_an_attacker_who_knows_the_session_id_but_not_the_token_cannot_address_its_keys(server):
-    """Forged headers and acks, written over and over at every key name computable from the session id (the
-    one before HMAC naming, and HMAC under a wrong token), are never even read: the sync lands."""
+def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server):
+    """An attacker without the token tries a TCPStore client on every port the server process listens on and
+    deletes every key it can list, parks 1 MiB values, and writes to the store's HTTP route: the sync lands."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     trainer = _connect(dataclasses.replace(server, weight_sync=dataclasses.replace(server.weight_sync,
                                                                                     peer_timeout_s=15.0)))
-    models = {60: trainer_model(seed=60), 61: trainer_model(seed=61)}
-    trainer.sync(native_state(models[60]), version=60)
-    health = _get(server, "/health")
-    assert "session" not in health and "weight_session" not in health, health  # /health needs no key
-    status, _, body = _complete(server)
-    session = body["weight_session"]  # what an API user (not a token holder) learns
-    assert session == trainer.session
-    rejected = server.log.read_text().count("rejected a store message")
-    store = dist.TCPStore("127.0.0.1", server.serve.sync_port, is_master=False, timeout=timedelta(seconds=10))
-    guesses = [f"torchtitan_rl/serve/{name}/torchtitan_rl/weight_sync/weights"
-               for name in (session, session_namespace("not-the-token", session), session_namespace("", session))]
-    forged = json.dumps({"version": 666, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off", "samples": 0})
-    stop = threading.Event()
+    models = {70: trainer_model(seed=70), 71: trainer_model(seed=71)}
+    trainer.sync(native_state(models[70]), version=70)
+    stores = []
+
+    def dial(port: int) -> None:
+        with contextlib.suppress(RuntimeError, ValueError):  # not a store: nothing there to list or delete
+            stores.append(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2)))
+
+    # In threads: a TCPStore client's handshake with a port that is not a store may never end.
+    dials = [threading.Thread(target=dial, args=(port,), daemon=True) for _, port in _process_listeners(server.pid)]
+    for t in dials:
+        t.start()
+    for t in dials:
+        t.join(timeout=5)
+    stop, refused, junk = threading.Event(), [], b"x" * (1 << 20)
 
     def attack():
+        i = 0
         while not stop.is_set():
-            for keys in guesses:
-                store.set(f"{keys}/header/2", forged)
-                store.set(f"{keys}/ack/2/0", "ok")
-            time.sleep(0.001)
+            for store in stores:
+                with contextlib.suppress(RuntimeError):
+                    for key in store.list_keys():
+                        store.delete_key(key)
+                    store.set(f"junk/{i % 64}", junk)
+            req = urllib.request.Request(f"http://127.0.0.1:{server.serve.port}/control/store", method="POST",
+                                         data=json.dumps({"op": "set", "key": "junk", "value": ""}).encode())
+            try:
+                refused.append(urllib.request.urlopen(req, timeout=10).status)
+            except urllib.error.HTTPError as e:
+                refused.append(e.code)
+            i += 1
 
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
     try:
         time.sleep(0.2)
-        trainer.sync(native_state(models[61]), version=61)
+        trainer.sync(native_state(models[71]), version=71)
     finally:
         stop.set()
         attacker.join()
+    assert refused and set(refused) == {401}, set(refused)
+    assert stores == []  # no port of the server answers as a store
+    # Each refusal counted, one line said so (then one count per 30 s while they go on).
+    assert _rejected(server, "requests without serve.token") >= len(refused)
+    assert server.log.read_text().count("rejected POST /control/store from 127.0.0.1") == 1
+    assert "Invalid HTTP request received" not in server.log.read_text()  # a TCPStore handshake: counted, not a line each
+    status, _, body = _complete(server, n=4, max_tokens=8, seed=71)  # 32 tokens: a firm logprob check
+    assert status == 200 and body["weight_version"] == 71, body
+    assert_serves(_as_rollouts(body, 71), models[71], not_=[models[70]])
+
+
+def test_the_sync_store_is_bounded_by_serve_sync_store_mb_and_dropped_two_sessions_later(server):
+    from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
+
+    trainer = _connect(server)
+    store = HttpStore(ServerClient(f"http://127.0.0.1:{server.serve.port}", token=TOKEN), timeout_s=10)
+    keys = f"torchtitan_rl/serve/{session_namespace(TOKEN, trainer.session)}/junk"
+    with pytest.raises(ServerError, match=r"HTTP 413: .* over serve.sync_store_mb \(64 MiB\)"):
+        for i in range(5):
+            store.set(f"{keys}/{i}", b"x" * (15 << 20))
+    assert store.check([f"{keys}/0"])
+    _connect(server)
+    _connect(server)  # two sessions later nobody may read its keys, and they are gone
+    with pytest.raises(ServerError, match="HTTP 403"):
+        store.check([f"{keys}/0"])
+
+
+def test_every_listener_of_the_server_is_on_the_serve_host(server):
+    """The HTTP port, vLLM's own process groups and the sync session's gloo pair: all on 127.0.0.1 (serve.host),
+    none on the machine's other addresses (before: gloo and TCPStore listeners bound the hostname's address or
+    every interface, and GLOO_SOCKET_IFNAME moved them to that interface)."""
+    _connect(server).sync(native_state(trainer_model(seed=1)), version=1)  # a live session: its pair listens too
+    listeners = _process_listeners(server.pid)
+    assert (("0100007F", server.serve.port)) in listeners
+    assert {address for address, _ in listeners} == {"0100007F"}, listeners
+
+
+def _rejected(cfg, what: str) -> int:
+    return _get(cfg, "/health")["rejected"].get(what, 0)
+
+
+def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server):
+    from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
+
+    trainer = _connect(server)
+    models = {40: trainer_model(seed=40), 41: trainer_model(seed=41)}
+    trainer.sync(native_state(models[40]), version=40)
+    # A token holder that writes without signing (a stale or buggy client), or replays the last header.
+    store = HttpStore(ServerClient(f"http://127.0.0.1:{server.serve.port}", token=TOKEN), timeout_s=10)
+    keys = f"torchtitan_rl/serve/{session_namespace(TOKEN, trainer.session)}/torchtitan_rl/weight_sync/weights"
+    genuine = store.get(f"{keys}/header/1")
+    with pytest.raises(ServerError, match="HTTP 403: key 'elsewhere' is not in a live sync session's keys"):
+        store.set("elsewhere", "x")
+    forged = json.dumps({"version": 999999, "moved": "1" * 64, "bucket_bytes": 1 << 20, "verify": "off",
+                         "samples": 0})
+    for value in (forged, genuine):  # written without a signature; the first sync's own header, replayed
+        rejected = _rejected(server, "forged store messages")
+        store.set(f"{keys}/header/2", value)
+        deadline = time.monotonic() + 10
+        while _rejected(server, "forged store messages") < rejected + 1:  # the server read it and refused it
+            assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+            time.sleep(0.05)
+        status, _, body = _complete(server, timeout=20)  # not paused by a sync that never comes
+        assert status == 200 and body["weight_version"] == 40, body
+        assert _get(server, "/health")["weight_version"] == 40
+    # A flood of distinct forgeries adds to the count, not to the log (before: one line each).
+    lines, rejected = server.log.read_text().count("rejected a store message"), _rejected(server, "forged store messages")
+    for i in range(200):
+        store.set(f"{keys}/header/2", json.dumps({"version": 1000 + i}))
+        time.sleep(0.002)
+    assert _rejected(server, "forged store messages") > rejected + 20
+    assert server.log.read_text().count("rejected a store message") == lines == 1, server.log.read_text()[-3000:]
+    assert "sync -> version 999999" not in server.log.read_text()
+    # The trainer's own next sync overwrites the forgery and lands.
+    trainer.sync(native_state(models[41]), version=41)
     status, _, body = _complete(server, n=2)
-    assert status == 200 and body["weight_version"] == 61, body
-    assert_serves(_as_rollouts(body, 61), models[61], not_=[models[60]])
-    assert server.log.read_text().count("rejected a store message") == rejected  # no forged key was read
-    assert "version 666" not in server.log.read_text()
-
-
-def test_a_trainer_whose_config_names_another_sync_port_dials_the_one_the_server_returns(server):
-    cfg = dataclasses.replace(server, serve=dataclasses.replace(server.serve, sync_port=free_port()),
-                              weight_sync=dataclasses.replace(server.weight_sync, peer_timeout_s=10.0))
-    trainer = _connect(cfg)
-    trainer.sync(native_state(trainer_model(seed=62)), version=62)
-    status, _, body = _complete(server)
-    assert status == 200 and body["weight_version"] == 62, body
+    assert status == 200 and body["weight_version"] == 41 and body["weight_session"] == trainer.session, body
+    assert_serves(_as_rollouts(body, 41), models[41], not_=[models[40]])
 
 
 def test_a_state_dict_missing_a_frozen_key_is_named_not_blamed_on_the_server(server):
@@ -490,12 +554,75 @@ def test_more_requests_than_serve_max_concurrent_requests_get_429_with_retry_aft
     assert {status for status, _, _ in replies} == {200, 429}
 
 
+def _response(sock: socket.socket, *, timeout_s: float) -> str:
+    """One HTTP response read from a raw socket: status line, headers and a Content-Length body."""
+    sock.settimeout(timeout_s)
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        chunk = sock.recv(4096)
+        assert chunk, raw
+        raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, raw
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()
+
+
+def test_slow_uploads_from_one_address_are_capped_and_cut_off_while_other_clients_are_served(server):
+    """PER_CLIENT + 20 uploads from 127.0.0.2 that announce a body and never finish it, and 20 connections that
+    never finish their headers (before: 1,100 such uploads held every serve.max_concurrent_requests slot and
+    every other client got 429)."""
+    _ensure_weights(server)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n{{").encode()
+    uploads, headers = [], []
+    try:
+        for _ in range(PER_CLIENT + 20):
+            sock = socket.create_connection(("127.0.0.1", server.serve.port), source_address=("127.0.0.2", 0))
+            sock.sendall(head)
+            uploads.append(sock)
+        for _ in range(20):
+            sock = socket.create_connection(("127.0.0.1", server.serve.port), source_address=("127.0.0.2", 0))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            headers.append(sock)
+        started = time.monotonic()
+        status, _, body = _complete(server, timeout=30)  # another client, meanwhile
+        assert status == 200, body
+        assert time.monotonic() - started < READ_TIMEOUT_S  # served at once, not after the slow ones were cut
+        answers = [_response(sock, timeout_s=READ_TIMEOUT_S + 10) for sock in uploads]
+        assert sum(a.startswith("HTTP/1.1 429") and "serve.max_requests_per_client" in a for a in answers) == 20
+        assert sum(a.startswith("HTTP/1.1 408") and "serve.read_timeout_s" in a for a in answers) == PER_CLIENT
+        for sock in headers:  # closed without a word: no request ever began
+            sock.settimeout(READ_TIMEOUT_S + 10)
+            assert sock.recv(4096) == b""
+        assert time.monotonic() - started < READ_TIMEOUT_S + 10
+    finally:
+        for sock in uploads + headers:
+            sock.close()
+    log = server.log.read_text()
+    assert log.count("from 127.0.0.2 that sent no complete request headers") == 1, log[-2000:]
+
+
 def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server):
     from torchtitan_rl.rollout.server_client import ServerGone
 
     first = _connect(server)
     first.sync(native_state(trainer_model(seed=50)), version=50)
-    second = _connect(server)
+    # Without serve.takeover a second trainer is refused, in one line, and the first keeps its session; an empty
+    # body (curl -X POST) asks for no takeover either (before: both replaced the running trainer).
+    polite = dataclasses.replace(server, serve=dataclasses.replace(server.serve, takeover=False))
+    with pytest.raises(ServerGone, match=r"a trainer is connected \(session [0-9a-f]{8}, since [0-9:]{8}\); connect "
+                                         r'with \{"takeover": true\} to replace it \(the trainer\'s serve.takeover\)'):
+        _connect(polite)
+    status, _, body = _request(server, "POST", "/control/connect", raw=b"", token=TOKEN)
+    assert status == 409 and body["error"]["type"] == "conflict", body
+    first.sync(native_state(trainer_model(seed=52)), version=52)  # still its session
+    status, _, body = _request(server, "POST", "/control/connect", {"takeover": "yes"}, token=TOKEN)
+    assert status == 400 and body["error"]["param"] == "takeover", body
+    second = _connect(server)  # serve.takeover: replaces it
     second.sync(native_state(trainer_model(seed=0)), version=0)  # a new run restarts its versions
     status, headers, body = _complete(server)
     assert (body["weight_version"], body["weight_session"]) == (0, second.session), body
@@ -515,7 +642,7 @@ def test_a_trainer_stalled_mid_sync_is_dropped_then_killed_and_a_new_trainer_syn
     ended = server.log.read_text().count("ended:")
     worker = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("server_trainer_worker.py")), str(server.serve.port),
-         str(server.serve.sync_port), TOKEN, API_KEY, "1", "stop"],
+         TOKEN, API_KEY, "1", "stop"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -549,7 +676,7 @@ def test_a_trainer_stalled_mid_sync_is_dropped_then_killed_and_a_new_trainer_syn
 def test_grpo_loop_learns_through_the_server(server):
     from torchtitan_rl import simple_grpo
 
-    cfg = _config(server.serve.port, server.serve.sync_port, Path(server.job.output_dir))
+    cfg = _config(server.serve.port, Path(server.job.output_dir))
     cfg.trainer.steps = 40
     history = simple_grpo.run(cfg)
     assert [r["weight_version"] for r in history] == list(range(40))
@@ -562,7 +689,7 @@ def test_grpo_loop_learns_through_the_server(server):
 def test_asynchronous_loop_through_the_server_samples_each_batch_one_version_behind(server):
     from torchtitan_rl import simple_grpo
 
-    cfg = _config(server.serve.port, server.serve.sync_port, Path(server.job.output_dir) / "async")
+    cfg = _config(server.serve.port, Path(server.job.output_dir) / "async")
     cfg.trainer.steps, cfg.grpo.max_staleness, cfg.grpo.importance_correction = 5, 1, "truncate"
     history = simple_grpo.run(cfg)
     assert [r["weight_version"] for r in history] == [0, 0, 1, 2, 3]
@@ -577,7 +704,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
     ended = server.log.read_text().count("ended:")
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("server_trainer_worker.py")), str(server.serve.port),
-         str(server.serve.sync_port), TOKEN, API_KEY, str(die_after)],
+         TOKEN, API_KEY, str(die_after)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr  # its deliberate exit mid-sync
@@ -617,6 +744,25 @@ def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
             trainer.rollouts(PROMPTS[:1])
 
 
+def test_a_gloo_socket_ifname_off_the_serve_host_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    """GLOO_SOCKET_IFNAME naming another interface than serve.host's would put vLLM's and the sync's gloo
+    listeners there (before: 13 listeners on it while serve.host was 127.0.0.1): refused before the engine."""
+    import psutil
+
+    from tests.helpers import assert_one_line_error, run_module
+
+    other = next((name for name, addrs in psutil.net_if_addrs().items()
+                  if name != "lo" and any(a.family == socket.AF_INET for a in addrs)), None)
+    if other is None:
+        pytest.skip("needs a network interface besides loopback")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", other)
+    proc = run_module("torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
+                      "--serve.token", TOKEN, "--serve.port", str(free_port()), timeout=120)
+    assert_one_line_error(proc, f"serve.host: 127.0.0.1 is on interface lo, but GLOO_SOCKET_IFNAME={other} would put "
+                          f"the server's gloo listeners on {other}", prefix="torchtitan_rl: error: ")
+    assert not (tmp_path / "generator_model").exists()  # the engine was never built
+
+
 def test_serve_without_a_token_is_one_line_and_exit_2():
     from tests.helpers import assert_one_line_error, run_module
 
@@ -628,16 +774,14 @@ def test_serve_without_a_token_is_one_line_and_exit_2():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("busy", ["serve.port", "serve.sync_port"])
-def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts(busy, tmp_path):
+def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts(tmp_path):
     from tests.helpers import assert_one_line_error, run_module
 
     with socket.create_server(("127.0.0.1", 0)) as taken:  # another process's listener
-        ports = {"serve.port": free_port(), "serve.sync_port": free_port()}
-        ports[busy] = taken.getsockname()[1]
+        port = taken.getsockname()[1]
         proc = run_module("torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
-                          "--serve.token", TOKEN, *(a for k, v in ports.items() for a in (f"--{k}", str(v))))
-    assert_one_line_error(proc, f"{busy}: cannot listen on 127.0.0.1:{ports[busy]}", prefix="torchtitan_rl: error: ")
+                          "--serve.token", TOKEN, "--serve.port", str(port))
+    assert_one_line_error(proc, f"serve.port: cannot listen on 127.0.0.1:{port}", prefix="torchtitan_rl: error: ")
     assert not (tmp_path / "generator_model").exists()  # the engine was never built
 
 
@@ -645,12 +789,12 @@ def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_pa
     """A standalone server on SmolLM2's own weights (generator.load_format auto: version 0, no trainer)."""
     from transformers import AutoTokenizer
 
-    cfg = _config(free_port(), free_port(), tmp_path)
+    cfg = _config(free_port(), tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(REPO / "run_configs" / "smollm2_135m_math_cpu.toml"),
          "--model.hf_checkpoint", str(smollm2_dir), "--generator.load_format", "auto",
          "--job.output_dir", str(tmp_path), "--serve.port", str(cfg.serve.port),
-         "--serve.sync_port", str(cfg.serve.sync_port), "--serve.token", TOKEN],
+         "--serve.token", TOKEN],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

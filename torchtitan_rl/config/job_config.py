@@ -469,8 +469,6 @@ class ServeConfig:
     """Address the server binds and the trainer connects to; 0.0.0.0 exposes it (the trainer then uses 127.0.0.1)."""
     port: int = 8000
     """HTTP port: /v1/completions, /v1/chat/completions, /v1/models, /health, /control/*."""
-    sync_port: int = 0
-    """TCP port of the weight-sync rendezvous (a torch.distributed store); 0 takes serve.port + 1."""
     token: str = ""
     """Shared secret of the trainer and the server: the control endpoints' Bearer token and the key that signs
     every sync message; required. Or set TORCHTITAN_RL_SERVE_TOKEN (kept out of `ps`); config.toml redacts it."""
@@ -482,8 +480,15 @@ class ServeConfig:
     the sync of a dead or stalled trainer and serves on; also how long a request queued behind a sync waits
     before its 503."""
     max_concurrent_requests: int = 1024
-    """Generation requests in progress at once (queued for the engine or running); one more gets 429 with
-    Retry-After."""
+    """Generation requests in progress at once (queued for the engine or running, counted once their body is
+    read: a slow upload holds no slot); one more gets 429 with Retry-After."""
+    max_requests_per_client: int = 256
+    """Generation requests one client address may have open at once, from their first byte (uploads
+    included); one more gets 429 with Retry-After. Keeps one client's slow or many uploads from starving the
+    others."""
+    read_timeout_s: float = 30.0
+    """Seconds a client may take to send a request's headers (then its connection is closed) and, once they
+    are in, its body (then 408)."""
     model_name: str = "torchtitan_rl"
     """Model name listed at /v1/models; requests naming another model get 404."""
     max_body_mb: float = 16.0
@@ -491,24 +496,32 @@ class ServeConfig:
     max_n: int = 4096
     """Most completions one request may ask for (n times the number of prompts); a training step asks for
     grpo.prompts_per_step x grpo.group_size in one request."""
+    sync_port: int = 0
+    """Ignored: the server opens no store port since the sync store moved behind /control/store; kept so the
+    config.toml of a run written before still loads (--resume)."""
+    takeover: bool = False
+    """Trainer side: replace the trainer connected to the server now (it is told so in one line at its next
+    sync); without it, connecting to a server that has a trainer is a one-line error naming this field. A
+    trainer that died between syncs still holds its session: restart it with takeover."""
+    sync_store_mb: float = 64.0
+    """Most MiB the trainer's sync messages (its tensor list, the plans, each sync's header) may hold in the
+    server's memory; a write past it gets 413. The store is reached only through /control/store, with
+    serve.token."""
 
     def check(self, path: str) -> None:
         """Ports, secrets and limits (secrets already filled from the environment: config.validation.check_serve)."""
-        for name in ("port", "sync_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{path}.{name}: must be a TCP port in [0, 65535], got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"{path}.port: must be a TCP port in [0, 65535], got {self.port}")
         if self.port == 0:
             raise ValueError(f"{path}.port: must be set (the trainer and clients connect to it), got 0")
-        if (self.sync_port or self.port + 1) in (self.port, 65536):
-            raise ValueError(f"{path}.sync_port: {self.sync_port or self.port + 1} is not a free second port "
-                             f"beside serve.port {self.port}; set serve.sync_port")
         if not self.token:
             raise ValueError(f"{path}.token: set a shared secret (or TORCHTITAN_RL_SERVE_TOKEN); the trainer's "
                              "control requests and sync messages must carry it")
         if not self.api_key and not _loopback(self.host):
             raise ValueError(f"{path}.api_key: required when serve.host ({self.host}) is reachable beyond this "
                              "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
-        positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests")
+        positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests", "sync_store_mb",
+                 "max_requests_per_client", "read_timeout_s")
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ session a signed notice, and answers with the other session's weights).
 A trainer started before its server says every few seconds that it waits.
 """
 
+import base64
 import http.client
 import json
 import time
@@ -101,6 +102,52 @@ class ServerClient:
                 time.sleep(0.5)
 
 
+class HttpStore(dist.Store):
+    """The server's sync store as a torch.distributed Store: each call one ``POST /control/store`` with
+    serve.token (the server opens no store port: serving/sync_store.py says why). gloo's and NCCL's
+    rendezvous and the sync's messages go through it unchanged."""
+
+    def __init__(self, client: ServerClient, *, timeout_s: float) -> None:
+        super().__init__()
+        self.client, self.timeout_s = client, timeout_s
+
+    def _op(self, op: str, **fields) -> dict:
+        return self.client.request("POST", "/control/store", {"op": op, **fields})
+
+    def set(self, key: str, value) -> None:
+        self._op("set", key=key, value=_b64(value))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return base64.b64decode(self._op("get", key=key)["value"])
+
+    def check(self, keys: list[str]) -> bool:
+        return self._op("check", keys=list(keys))["ready"]
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        """Until every key is set; DistStoreError after ``timeout`` (default: weight_sync.peer_timeout_s)."""
+        limit = self.timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            if self._op("wait", keys=list(keys), timeout_s=left)["ready"]:
+                return
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"rollout server {self.client.base_url}: store keys {list(keys)} not set "
+                                          f"within {limit:g} s")
+
+    def add(self, key: str, amount: int) -> int:
+        return self._op("add", key=key, amount=amount)["value"]
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        reply = self._op("compare_set", key=key, expected=_b64(expected), desired=_b64(desired))
+        return base64.b64decode(reply["value"])
+
+
+def _b64(value) -> str:
+    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
+
+
 class ServerGenerator:
     """The generator as the loop sees it, behind HTTP; every trainer rank calls each method together."""
 
@@ -114,20 +161,25 @@ class ServerGenerator:
         reply = [None]
         if self.rank == 0:
             self.client.wait_ready(timeout_s)
-            reply = [self.client.request("POST", "/control/connect", {})]
+            try:
+                reply = [self.client.request("POST", "/control/connect", {"takeover": cfg.serve.takeover})]
+            except ServerError as e:  # 409: another trainer is connected and serve.takeover is off
+                if e.status != 409:
+                    raise
+                raise ServerGone(f"rollout server {self.client.base_url}: {e.message}; or stop that trainer "
+                                 "first") from None
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]
         self.synced = False
         """Whether this session published weights yet: from then on every answer must carry them."""
-        # The server's own sync port and prefix, whatever this trainer's config says.
-        port, prefix = reply[0]["sync_port"], reply[0]["store_prefix"]
-        tcp = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        self.store = session_store(tcp, session, secret=cfg.serve.token, prefix=prefix)
+        prefix = reply[0]["store_prefix"]
+        self._http_store = HttpStore(self.client, timeout_s=timeout_s)  # referenced: the Python side must outlive
+        self.store = session_store(self._http_store, session, secret=cfg.serve.token, prefix=prefix)
         pair = None
         if self.rank == 0:
-            pair = pair_group(pair_store(tcp, session, secret=cfg.serve.token, prefix=prefix), rank=0, device=device,
-                              timeout_s=timeout_s)
+            pair = pair_group(pair_store(self._http_store, session, secret=cfg.serve.token, prefix=prefix), rank=0,
+                              device=device, timeout_s=timeout_s)
         world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
         self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")
@@ -144,9 +196,9 @@ class ServerGenerator:
         self._check_session()
         try:
             seconds = self.sender.sync(state, version=version).seconds
-        except ValueError:
-            raise  # a state dict the sync refused: it names the tensors
         except Exception as e:  # gloo, the store or a verdict: say which server, and whether it still answers
+            if isinstance(e, ValueError) and not isinstance(e, ServerGone):
+                raise  # a state dict the sync refused: it names the tensors
             self._check_session()
             try:
                 self.client.request("GET", "/health")
@@ -165,8 +217,10 @@ class ServerGenerator:
             notice = self.store.get(ENDED).decode() if self.store.check([ENDED]) else None
         except ForgedMessage:
             notice = None  # logged by the store; only the server's own notice counts
-        except dist.DistError:
+        except (dist.DistError, ServerGone):
             notice = None  # the store is gone with its server: the caller says so
+        except ServerError as e:  # 403: the server dropped this session's keys (two newer trainers connected)
+            notice = f"its session ended ({e.message})" if e.status == 403 else None
         if notice:
             raise ServerGone(f"rollout server {self.client.base_url}: this trainer was replaced: {notice}")
 

@@ -1,10 +1,11 @@
 """What the rollout server and its trainer client agree on: where to connect and the sync session's store keys."""
 
+import os
 import socket
 
+import psutil
 import torch.distributed as dist
 
-from torchtitan_rl.config import JobConfig
 from torchtitan_rl.weight_sync.signed_store import SignedStore, session_namespace
 
 SESSION_PREFIX = "torchtitan_rl/serve"
@@ -18,8 +19,29 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def sync_port(cfg: JobConfig) -> int:
-    return cfg.serve.sync_port or cfg.serve.port + 1
+def bind_gloo(host: str) -> str | None:
+    """Make every gloo device this process creates (vLLM's groups, the sync pair) listen on ``host``'s interface
+    (GLOO_SOCKET_IFNAME; gloo otherwise binds the hostname's address, or whatever interface the variable names).
+    Returns the interface; None for a wildcard host (every interface was asked for). A GLOO_SOCKET_IFNAME that
+    names another interface is a ValueError: its listeners would be reachable where serve.host is not."""
+    if host in ("0.0.0.0", "::", ""):
+        return None
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as e:
+        raise ValueError(f"serve.host: cannot resolve {host!r} ({e.strerror})") from None
+    interface = next((name for name, addrs in psutil.net_if_addrs().items()
+                      if any(a.address.split("%")[0] in addresses for a in addrs)), None)
+    if interface is None:
+        raise ValueError(f"serve.host: {host} is not an address of this machine's interfaces "
+                         f"({', '.join(psutil.net_if_addrs())})")
+    given = os.environ.get("GLOO_SOCKET_IFNAME")
+    if given and given != interface:
+        raise ValueError(f"serve.host: {host} is on interface {interface}, but GLOO_SOCKET_IFNAME={given} would put "
+                         f"the server's gloo listeners on {given}; unset it (the server binds gloo to serve.host's "
+                         f"interface) or set serve.host to an address of {given}")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    return interface
 
 
 def listen(host: str, port: int, field: str) -> socket.socket:

@@ -10,7 +10,9 @@ NaN-poisoned: it serves nothing before the first sync), an EngineLoop
     GET  /v1/models            the served model (serve.model_name)
     POST /v1/completions       text or token-id prompts
     POST /v1/chat/completions  messages through the checkpoint's chat template
-    POST /control/connect      (Bearer serve.token) a trainer opens a sync session
+    POST /control/connect      (Bearer serve.token) a trainer opens a sync session; {"takeover": true}
+                               to replace one that is connected (409 without it)
+    POST /control/store        (Bearer serve.token) its ranks' store operations (set, get, wait, ...)
     POST /control/disconnect   (Bearer serve.token) it closes it
 
 The /v1 endpoints need ``Authorization: Bearer <serve.api_key>`` when one is
@@ -20,20 +22,25 @@ reason and ``Retry-After``; never a token from dummy weights. Every response
 carries the version that produced it and the trainer session that sent it.
 Parsing, templating and tokenizing run on a thread pool, after a character
 cap, so the event loop (and /health) never waits for a big prompt; more than
-``serve.max_concurrent_requests`` requests in progress get 429. A client that
+``serve.max_concurrent_requests`` requests in progress (counted once their
+body is in) or ``serve.max_requests_per_client`` open from one address get
+429, and a body slower than ``serve.read_timeout_s`` gets 408 (headers:
+serving/http_limits.py). A client that
 disconnects has its samples aborted in the engine.
 
-Weights: a trainer connects (``/control/connect``), gets a random session id
-and the port of the server's TCP store (``serve.sync_port``), and the two
-sides build the own-rank layout's two-rank group on it: the trainer's
+Weights: a trainer connects (``/control/connect``), gets a random session id,
+and the two sides build the own-rank layout's two-rank group on the server's
+sync store (serving/sync_store.py: in the server's memory, reached from
+outside only through ``/control/store``, so only through serve.token): the trainer's
 NcclSender, the server's NcclReceiver (weight_sync/nccl_sender.py, nccl_receiver.py: sync plan and
 coverage proof at connect, validation before any write, buckets, checksums,
 version published last; after a LoRA run's first full sync only the adapter
 moves, one flat bucket). A session thread applies each sync between the
-engine loop's batches (EngineLoop.begin_sync drains what runs). The store
-binds serve.host only, and every message on it is signed with serve.token
-(weight_sync/signed_store.py): a forged or replayed one is logged and
-ignored. A new connect (a restarted or resumed trainer) ends the previous
+engine loop's batches (EngineLoop.begin_sync drains what runs). Every
+message in the store is also signed with serve.token for its session
+(weight_sync/signed_store.py): a replayed one is rejected and ignored.
+Rejections (forged messages, requests without the token or key) are logged
+the first at once, then as one count per 30 s per source. A new connect (a restarted or resumed trainer) ends the previous
 session and leaves it a signed notice that names its replacement; a trainer
 that dies or stalls mid-sync is dropped after serve.sync_timeout_s, leaving
 the previous version served if nothing was written yet, else nothing served
@@ -42,51 +49,64 @@ instead: docs/design.md).
 """
 
 import asyncio
+import base64
 import json
 import secrets
-import socket
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
 from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
-from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, connect_host, pair_store, session_store, sync_port
+from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, pair_store, session_prefix, session_store
+from torchtitan_rl.serving.sync_store import StoreFull, SyncStore
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
+from torchtitan_rl.weight_sync.signed_store import REJECTIONS
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
+_WAIT_SLICE_S = 5.0
+"""Longest one store ``wait`` request is held open; the trainer's client asks again until its own timeout."""
+
 class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 
-    def __init__(self, loop: EngineLoop, *, listener: socket.socket, device: torch.device, secret: str,
-                 timeout_s: float) -> None:
-        """``listener``: the sync port's socket (protocol.listen), bound to serve.host."""
+    def __init__(self, loop: EngineLoop, *, device: torch.device, secret: str, timeout_s: float,
+                 store_bytes: int) -> None:
+        """``store_bytes``: the bound of what the trainer may write in the sync store (serve.sync_store_mb)."""
         self.loop, self.device, self.secret, self.timeout_s = loop, device, secret, timeout_s
-        # TCPStore's own listener binds every interface whatever the host: hand it a socket bound to ours.
-        self._socket = listener
-        host, port = listener.getsockname()[:2]
-        # The server hosts the store the trainer's ranks join; wait_for_workers=False: they come and go.
-        self.store = dist.TCPStore(connect_host(host), port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s), master_listen_fd=self._socket.fileno(),
-                                   use_libuv=True)
+        self.sync_store = SyncStore(max_bytes=store_bytes)
+        self.store = self.sync_store.store
+        self._previous: str | None = None
+        """The session the current one replaced: its trainer may still read its notice."""
         self._lock = threading.Lock()
         """Held while a sync is applied: an ending session never overlaps the next one's sync."""
         self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._since = ""
+        """When the current session connected (HH:MM:SS), for the refusal of a second trainer."""
         self.session: str | None = None
         self.syncs = 0
 
-    def connect(self) -> str:
+    def connected(self) -> str | None:
+        """The session of the trainer connected now: not disconnected, its thread not ended by a failure."""
+        alive = self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return self.session if alive else None
+
+    def connect(self, *, takeover: bool) -> str:
+        current = self.connected()
+        if current is not None and not takeover:
+            raise HttpError(409, f"a trainer is connected (session {current[:8]}, since {self._since}); connect "
+                                 "with {\"takeover\": true} to replace it (the trainer's serve.takeover)",
+                            type="conflict")
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
@@ -95,10 +115,19 @@ class SyncSessions:
                 ENDED, f"another trainer connected to the server at {when} (session {session[:8]}) and replaced "
                        "this one; one server takes one trainer")
             print(f"torchtitan_rl serve: session {self.session[:8]} replaced by {session[:8]}", flush=True)
-        self._stop, self.session = threading.Event(), session
-        threading.Thread(target=self._serve, args=(session, self._stop),
-                         name=f"sync-{session[:8]}", daemon=True).start()
+        if self._previous is not None:  # two sessions back: nobody reads its keys any more
+            self.sync_store.drop(session_prefix(self._previous, secret=self.secret) + "/")
+        self._previous = self.session
+        self._stop, self.session, self._since = threading.Event(), session, time.strftime("%H:%M:%S")
+        self._thread = threading.Thread(target=self._serve, args=(session, self._stop),
+                                        name=f"sync-{session[:8]}", daemon=True)
+        self._thread.start()
         return session
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key`` lies in the current or the replaced session's keys: all a trainer may touch."""
+        return any(s is not None and key.startswith(session_prefix(s, secret=self.secret) + "/")
+                   for s in (self.session, self._previous))
 
     def disconnect(self, session: str) -> bool:
         """End ``session`` if it is the current one (a trainer replaced by a newer one must not end it)."""
@@ -147,13 +176,14 @@ class RolloutServer:
         self.cfg, self.loop, self.sessions, self.tokenizer = cfg, loop, sessions, tokenizer
         self.max_model_len = cfg.generator.max_model_len
         self.vocab_size = loop.generator.shape.vocab_size
-        self.max_body = int(cfg.serve.max_body_mb * (1 << 20))
         # No token spells more characters than the longest vocabulary entry: a longer text cannot fit.
         self.max_chars = self.max_model_len * max(map(len, tokenizer.get_vocab()), default=1)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
         """JSON parsing, validation, chat templates and tokenizing: off the event loop."""
         self.in_progress = 0
-        """Generation requests between their first byte and their response (the event loop's own count)."""
+        """Generation requests between their body's last byte and their response (the event loop's own count)."""
+        self.per_client: dict[str, int] = {}
+        """Generation requests between their first byte and their response, per client address."""
 
     def app(self):
         from starlette.applications import Starlette
@@ -167,6 +197,7 @@ class RolloutServer:
             Route("/v1/chat/completions", self._handler(self.chat, key="api_key", generation=True),
                   methods=["POST"]),
             Route("/control/connect", self._handler(self.connect, key="token"), methods=["POST"]),
+            Route("/control/store", self._handler(self.store, key="token"), methods=["POST"]),
             Route("/control/disconnect", self._handler(self.disconnect, key="token"), methods=["POST"]),
         ]
         return Starlette(routes=routes)
@@ -189,15 +220,24 @@ class RolloutServer:
         return handle
 
     async def _generation(self, request, fn):
-        """``fn(body)`` under the concurrency cap, cancelled (its samples aborted) if the client goes away."""
-        cap = self.cfg.serve.max_concurrent_requests
-        if self.in_progress >= cap:
-            raise HttpError(429, f"{cap} generation requests are in progress (serve.max_concurrent_requests); "
+        """``fn(body)`` under the per-client and the global caps, cancelled (its samples aborted) if the client
+        goes away. The global cap counts a request once its body is in: slow uploads cannot hold its slots."""
+        client = request.client.host if request.client else ""
+        mine = self.cfg.serve.max_requests_per_client
+        if self.per_client.get(client, 0) >= mine:
+            raise HttpError(429, f"{mine} generation requests from {client} are open (serve.max_requests_per_client); "
                                  "retry later", type="rate_limit_error", headers={"Retry-After": "1"})
-        self.in_progress += 1
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        counted = False
         work = gone = None
         try:
             body = await self._json(request)
+            cap = self.cfg.serve.max_concurrent_requests
+            if self.in_progress >= cap:
+                raise HttpError(429, f"{cap} generation requests are in progress (serve.max_concurrent_requests); "
+                                     "retry later", type="rate_limit_error", headers={"Retry-After": "1"})
+            self.in_progress += 1
+            counted = True
             work = asyncio.ensure_future(fn(body))
             gone = asyncio.ensure_future(_disconnected(request))  # only once the body is read: one reader
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -205,7 +245,10 @@ class RolloutServer:
                 raise HttpError(499, "the client closed the connection")  # nobody reads this answer
             return work.result()
         finally:
-            self.in_progress -= 1
+            self.in_progress -= counted
+            self.per_client[client] -= 1
+            if not self.per_client[client]:
+                del self.per_client[client]
             for task in (work, gone):
                 if task is not None and not task.done():
                     task.cancel()  # also when uvicorn cancels this handler: the samples are aborted
@@ -214,16 +257,31 @@ class RolloutServer:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- helpers ----------------------------------------------------------------
-    async def _json(self, request) -> dict:
+    async def _json(self, request, *, field: str = "max_body_mb", empty=None) -> dict:
+        """The body's JSON, at most serve.<field> MiB (max_body_mb; the store's values: sync_store_mb);
+        ``empty`` (when not None) stands for an empty body."""
+        mb = getattr(self.cfg.serve, field)
+        limit = int(mb * (1 << 20)) * (2 if field == "sync_store_mb" else 1)  # base64 and JSON around the values
         length = request.headers.get("content-length")
-        if length is not None and int(length) > self.max_body:
-            raise HttpError(413, f"request body of {int(length)} bytes exceeds serve.max_body_mb "
-                                 f"({self.cfg.serve.max_body_mb:g} MiB)")
+        if length is not None and int(length) > limit:
+            raise HttpError(413, f"request body of {int(length)} bytes exceeds serve.{field} ({mb:g} MiB)")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > self.max_body:
-                raise HttpError(413, f"request body exceeds serve.max_body_mb ({self.cfg.serve.max_body_mb:g} MiB)")
+        timeout_s = self.cfg.serve.read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > limit:
+                        raise HttpError(413, f"request body exceeds serve.{field} ({mb:g} MiB)")
+        except TimeoutError:
+            source = request.client.host if request.client else "an unknown address"
+            REJECTIONS("requests too slow to send their body", source,
+                       f"torchtitan_rl serve: answered 408 to {request.method} {request.url.path} from {source}: "
+                       f"its body took over {timeout_s:g} s (serve.read_timeout_s)")
+            raise HttpError(408, f"the request body did not arrive within {timeout_s:g} s (serve.read_timeout_s)",
+                            headers={"Connection": "close"}) from None
+        if not raw and empty is not None:
+            return empty
         return await self._off_loop(_loads, raw)
 
     def _authorize(self, request, key: str) -> None:
@@ -233,6 +291,10 @@ class RolloutServer:
         given = request.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {secret}".encode()):
             what = "control" if key == "token" else "generation"
+            source = request.client.host if request.client else "an unknown address"
+            REJECTIONS(f"requests without serve.{key}", source,
+                       f"torchtitan_rl serve: rejected {request.method} {request.url.path} from {source}: no valid "
+                       f"'Authorization: Bearer <serve.{key}>'")
             raise HttpError(401, f"{what} endpoints need 'Authorization: Bearer <serve.{key}>'",
                             type="authentication_error")
 
@@ -333,7 +395,8 @@ class RolloutServer:
         if not self.loop.alive():
             raise HttpError(503, f"generator: the engine loop stopped: {self.loop.error}", type="server_error")
         return {"status": "ok", "weight_version": self.loop.weight_version,
-                "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats()}, {}
+                "syncs": self.sessions.syncs, "in_progress": self.in_progress, **self.loop.stats(),
+                "rejected": dict(REJECTIONS.totals)}, {}
 
     async def models(self, request):
         return {"object": "list", "data": [{
@@ -417,9 +480,56 @@ class RolloutServer:
         return self._envelope("chat.completion", choices, samples, len(prompt))
 
     async def connect(self, request):
-        session = self.sessions.connect()
-        return {"session": session, "sync_port": sync_port(self.cfg), "store_prefix": SESSION_PREFIX,
-                "weight_version": self.loop.weight_version}, {}
+        body = await self._json(request, empty={})
+        takeover = body.get("takeover", False) if isinstance(body, dict) else None
+        if not isinstance(takeover, bool):
+            raise HttpError(400, "takeover: true or false (replace a connected trainer)", param="takeover")
+        session = self.sessions.connect(takeover=takeover)
+        return {"session": session, "store_prefix": SESSION_PREFIX, "weight_version": self.loop.weight_version}, {}
+
+    async def store(self, request):
+        """One operation of a trainer rank on the sync store (rollout/server_client.py: HttpStore)."""
+        body = await self._json(request, field="sync_store_mb")
+        if not isinstance(body, dict):
+            raise HttpError(400, "body: a JSON object {\"op\", \"key\" or \"keys\", ...}")
+        op = body.get("op")
+        keys = body.get("keys") if op in ("check", "wait") else [body.get("key")]
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+            raise HttpError(400, "key/keys: the store keys of this operation", param="key")
+        foreign = [k for k in keys if not self.sessions.owns(k)]
+        if foreign:
+            raise HttpError(403, f"key {foreign[0]!r} is not in a live sync session's keys", param="key")
+        store, key = self.sessions.sync_store, keys[0]
+        try:
+            if op == "set":
+                store.set(key, _b64(body, "value"))
+                return {}, {}
+            if op == "get":
+                value = store.get(key)
+                if value is None:
+                    raise HttpError(404, f"key {key!r} is not set", param="key")
+                return {"value": base64.b64encode(value).decode()}, {}
+            if op == "check":
+                return {"ready": store.check(keys)}, {}
+            if op == "wait":  # a long poll, at most _WAIT_SLICE_S: the client asks again until its own timeout
+                timeout_s = body.get("timeout_s", 0)
+                if not isinstance(timeout_s, (int, float)):
+                    raise HttpError(400, "timeout_s: seconds to wait", param="timeout_s")
+                deadline = time.monotonic() + min(timeout_s, _WAIT_SLICE_S)
+                while not (ready := store.check(keys)) and time.monotonic() < deadline:
+                    await asyncio.sleep(_POLL_S / 5)
+                return {"ready": ready}, {}
+            if op == "add":
+                amount = body.get("amount", 0)
+                if not isinstance(amount, int):
+                    raise HttpError(400, "amount: an integer", param="amount")
+                return {"value": store.add(key, amount)}, {}
+            if op == "compare_set":
+                value = store.compare_set(key, _b64(body, "expected"), _b64(body, "desired"))
+                return {"value": base64.b64encode(value).decode()}, {}
+        except StoreFull as e:
+            raise HttpError(413, str(e)) from None
+        raise HttpError(400, f"op: one of set, get, check, wait, add, compare_set, got {op!r}", param="op")
 
     async def disconnect(self, request):
         body = await self._json(request)
@@ -427,6 +537,13 @@ class RolloutServer:
         if not isinstance(session, str):
             raise HttpError(400, "session: the id /control/connect returned", param="session")
         return {"status": "ok", "ended": self.sessions.disconnect(session)}, {}
+
+
+def _b64(body: dict, field: str) -> bytes:
+    try:
+        return base64.b64decode(body[field], validate=True)
+    except (KeyError, TypeError, ValueError):
+        raise HttpError(400, f"{field}: a base64 string", param=field) from None
 
 
 def _loads(raw: bytes):
