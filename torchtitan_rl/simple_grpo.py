@@ -149,6 +149,8 @@ def run(cfg: JobConfig) -> list[dict]:
             batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step))
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
+            if cfg.generator.sleep != "off":  # the engine's memory goes to the trainer until the next sync
+                generator.sleep()
             train = trainer.train_step(batch.train, temperature=cfg.generator.sampling.temperature, grpo=cfg.grpo,
                                        max_tokens=cfg.generator.sampling.max_tokens)
             train_s = time.perf_counter() - t_train

@@ -237,6 +237,8 @@ class GeneratorConfig:
     """dummy: random start, serve only after the first sync; auto: load model.hf_checkpoint."""
     wait_for_weights_s: float = 0.0
     """How long a generate call waits for the first sync; 0 raises at once."""
+    sleep: Literal["off", "kv_cache", "weights"] = "off"
+    """weight_sync.transport inplace, CUDA: free the engine's device memory while the trainer steps (vLLM sleep mode); the next sync wakes it. kv_cache: level 1 (KV cache dropped, weights parked in host memory); weights: level 2 (both dropped: the next sync rewrites and verifies every tensor, nothing is served before). vLLM has no sleep mode on CPU."""
     colocated_ranks: Literal["all", "first"] = "all"
     """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -88,6 +88,8 @@ class WeightSync:
             self.wire = wire[0]
         self._moved: dict[str, tuple[weakref.ref, int]] = {}
         """Frozen tensors as they were when last moved: (the tensor, its version counter)."""
+        self._full_next = False
+        """The generator dropped its weights (sleep level 2): the next sync moves, and verifies, every tensor."""
 
     def _source(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return merged_state(state, self.lora) if self.lora is not None and self.lora.sync == "merged" else state
@@ -155,16 +157,22 @@ class WeightSync:
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         start = time.perf_counter()
         state = self._source(state)
+        gen = self.generator
+        # Every rank learns of a discard together (rollout/colocated.py sleeps them all): the keys stay collective.
+        assert gen is None or not gen.weights_discarded or self._full_next, "weights_discarded() was not called"
+        full = self._full_next
         keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
         self.check_structure(state)  # before anything indexes it: a missing key is a ValueError naming it
         unchanged = self.unchanged(state, keys)
         keys = [k for k in keys if k not in unchanged] if unchanged else keys
         self.check_values(state, keys)
-        gen = self.generator
         if gen is not None:
             gen.begin_sync()
         try:
-            verified = self._move(state, keys, version)
+            if full and self.plan is not None:
+                for tensor, value in self.plan.constants.values():  # engine-owned, dropped with the rest
+                    tensor.fill_(value)
+            verified = self._move(state, keys, version, verify="full" if full else self.config.verify)
             if gen is not None:
                 verified += verify_constants(self.plan.constants)
         except BaseException:
@@ -173,6 +181,7 @@ class WeightSync:
             raise
         if gen is not None:
             gen.finish_sync(version)
+        self._full_next = False
         self.base_synced = True
         self.mark_moved(state, keys)
         return SyncStats(version, time.perf_counter() - start, sum(self.sizes[k] for k in keys), verified)
@@ -186,6 +195,13 @@ class WeightSync:
     def forget_moved(self) -> None:
         """The generator lost its weights: the next sync moves every tensor."""
         self._moved.clear()
+
+    def weights_discarded(self) -> None:
+        """The generator dropped its weights (sleep level 2), on every rank at once: the next sync moves every
+        tensor of the plan (buffers, a LoRA run's base and the engine's constants included) and verifies all."""
+        self.forget_moved()
+        self.base_synced = False
+        self._full_next = True
 
     def unchanged(self, state: dict[str, torch.Tensor], keys: list[str]) -> set[str]:
         """Frozen tensors (buffers such as the RoPE cache, a LoRA run's base) not
@@ -211,9 +227,9 @@ class WeightSync:
             return [_local(state[k]) for k in keys]
         return full_many([state[k] for k in keys], dtypes)
 
-    def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
+    def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int, *, verify: str) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
-        check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
+        check = pick_entries(keys, verify, self.config.verify_samples, version)
         verified = 0
         for bucket in self._buckets(keys):
             sources = self.sources(state, bucket, [self.wire.get(k, state[k].dtype) for k in bucket])
