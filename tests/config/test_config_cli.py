@@ -123,6 +123,8 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--model.lora.rank", "4", "--model.lora.target-modules", "wq"], 1, "model.lora.target_modules"),
         (["--generator.sleep", "weights", "--weight_sync.transport", "server", "--serve.token", "t"], 1,
          "generator.sleep: 'weights' frees a colocated engine's memory"),
+        (["--trainer.cpu_offload", "--weight_sync.transport", "nccl"], 2,
+         "trainer.cpu_offload: supported with weight_sync.transport 'inplace' only"),
         (["--generator.sleep", "weights", "--weight_sync.enable", "false"], 1,
          "generator.sleep: 'weights' drops the engine's weights every step"),
         (["--trainer.steps", "0"], 1, "trainer.steps: must be >= 1"),

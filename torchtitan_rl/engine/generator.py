@@ -41,6 +41,10 @@ def build_engine(**engine_kwargs):
     try:
         return compat.build_llm_engine(**engine_kwargs)
     except ValueError as e:
+        if "memory utilization" in str(e):  # vLLM: less free memory at start than the fraction asked for
+            raise ValueError(f"generator.gpu_memory_utilization: {engine_kwargs['gpu_memory_utilization']} of the "
+                             f"device is more than is free beside the trainer (vLLM: {e}); lower it, or set "
+                             "generator.sleep, trainer.cpu_offload or trainer.master_dtype bfloat16") from None
         if "cache" not in str(e).lower():
             raise
         field = "kv_cache_memory_gb" if str(engine_kwargs["device"]) == "cpu" else "gpu_memory_utilization"

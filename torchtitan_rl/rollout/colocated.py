@@ -58,7 +58,8 @@ class ColocatedGenerator:
                 )
         try:
             self.weight_sync = WeightSync(
-                cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora
+                cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora,
+                gather_device=device if cfg.trainer.cpu_offload else None,
             )
         except BaseException:
             self.close()

@@ -89,7 +89,7 @@ class Trainer:
         set_determinism(self.device)
         if batch_invariant and self.device.type == "cuda":
             compat.enable_batch_invariant_kernels()
-        init_process_group(self.device, timeout_s=config.collective_timeout_s)
+        init_process_group(self.device, timeout_s=config.collective_timeout_s, cpu_tensors=config.cpu_offload)
         self.parallel_dims = build_parallel_dims(
             config.parallelism, world_size=dist.get_world_size(), device=self.device
         )
@@ -132,6 +132,9 @@ class Trainer:
             # The lm_head module stays in the forward (FSDP's hooks unshard its weight and
             # keep it unsharded for the backward), but returns its input: the matmul is ours.
             model.lm_head.forward = _identity
+        if config.master_dtype == "bfloat16":  # parameters only: the RoPE buffers stay float32
+            for param in model.parameters():
+                param.data = param.data.to(torch.bfloat16)
         if config.activation_checkpoint == "full":
             for block in model.layers.values():
                 _checkpoint_forward(block)
@@ -139,7 +142,8 @@ class Trainer:
             model,
             parallel_dims=self.parallel_dims,
             training=TrainingConfig(
-                mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32"
+                mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32",
+                enable_cpu_offload=config.cpu_offload and self.device.type == "cuda",
             ),
             parallelism=titan_parallelism,
             compile_config=CompileConfig(enable=self._compile, components=["model"]),

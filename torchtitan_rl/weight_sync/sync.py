@@ -52,10 +52,13 @@ class WeightSync:
         reference: dict[str, torch.Tensor],
         generator: SyncTarget | None = None,
         lora: LoRAConfig | None = None,
+        gather_device: torch.device | None = None,
     ):
         self.config = config
         self.generator = generator
         self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.gather_device = gather_device
+        """Where FSDP shards are gathered; None: where they live (trainer.cpu_offload: the accelerator, not the CPU)."""
         reference = self._source(reference)
         self.aliases = source_aliases(reference)
         self.keys = [k for k in reference if k not in self.aliases]
@@ -225,7 +228,7 @@ class WeightSync:
         are when the startup layout had nothing to gather (decided once, not per tensor)."""
         if not self.gathered:
             return [_local(state[k]) for k in keys]
-        return full_many([state[k] for k in keys], dtypes)
+        return full_many([state[k] for k in keys], dtypes, self.gather_device)
 
     def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int, *, verify: str) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
@@ -245,7 +248,7 @@ def _verify(keys, sources, dests, check: set[str]) -> int:
     verified = 0
     for key, src, dst in zip(keys, sources, dests):
         if key in check:
-            if not torch.equal(dst, src.view(dst.shape).to(dst.dtype)):
+            if not torch.equal(dst, src.view(dst.shape).to(dst.device, dst.dtype)):  # trainer.cpu_offload: CPU
                 raise RuntimeError(f"weight_sync: {key} did not arrive in the generator")
             verified += 1
     return verified
