@@ -331,5 +331,8 @@ def sleep_engine(engine, level: int) -> None:
 
 
 def wake_engine(engine, tags: list[str]) -> None:
-    """Bring back the memory of ``tags`` ("weights", "kv_cache"); the scheduler resumes once both are back."""
+    """Bring back the memory of ``tags`` ("weights", "kv_cache"); the scheduler resumes once both are back.
+    The blocks torch's caching allocator kept from the trainer's step go back to the driver first: vLLM maps
+    the engine's memory again with cuMemCreate, which cannot use them."""
+    torch.cuda.empty_cache()  # a no-op where CUDA never started
     engine.wake_up(tags=tags)

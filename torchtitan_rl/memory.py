@@ -66,6 +66,8 @@ class MemoryEstimate:
     the device, all of it vLLM's to hold)."""
     engine_while_training: int
     """What the engine keeps on the device while the trainer steps (0 asleep)."""
+    grads_freed: bool
+    """The gradients are freed after each step (generator.sleep), not kept through the next generation."""
     device_total: int
     role: str
     """colocated (trainer and engine on each GPU), trainer or generator (weight_sync.transport nccl)."""
@@ -84,8 +86,8 @@ class MemoryEstimate:
 
     @property
     def generate_peak(self) -> int:
-        return (self.trainer_resident if self.role != "generator" else 0) + (
-            self.engine_budget if self.role != "trainer" else 0)
+        trainer = self.trainer_resident - (self.trainer_grads if self.grads_freed and not self.offload else 0)
+        return (trainer if self.role != "generator" else 0) + (self.engine_budget if self.role != "trainer" else 0)
 
     @property
     def train_peak(self) -> int:
@@ -139,7 +141,7 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         trainer_adam=-(-2 * trainable * master // shards), trainer_gathered=2 * block * compute,
         trainer_reference=-(-params * master // shards) if cfg.grpo.kl_coef > 0 else 0,
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights),
-        engine_while_training=0 if asleep else max(engine_budget, engine_weights),
+        engine_while_training=0 if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
         device_total=device_total, role=role,
     )
 

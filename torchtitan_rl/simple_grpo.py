@@ -161,6 +161,8 @@ def run(cfg: JobConfig) -> list[dict]:
             with one_line_oom(f"step {step}'s train step"):
                 train = trainer.train_step(batch.train, temperature=cfg.generator.sampling.temperature,
                                            grpo=cfg.grpo, max_tokens=cfg.generator.sampling.max_tokens)
+            if cfg.generator.sleep != "off":  # the engine wakes at the next sync: give it the gradients' room
+                trainer.release_gradients()
             train_s = time.perf_counter() - t_train
             # 7. log
             rewards_B = batch.drawn.task_rewards_B
