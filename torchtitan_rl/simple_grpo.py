@@ -59,6 +59,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.config import validate
     from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.distributed.world import init_world
+    from torchtitan_rl.engine.generator import check_sleep
     from torchtitan_rl.grpo.builder import BatchBuilder
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.job import run_device, run_shape, run_task
@@ -73,6 +74,7 @@ def run(cfg: JobConfig) -> list[dict]:
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     # parse_args checked the config against torchrun's world; run(cfg) may come from Python.
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)
     world = None

@@ -9,7 +9,8 @@ the output shows.
 import pytest
 import torch
 
-from tests.helpers import PROMPTS, assert_serves, make_generator, native_state, trainer_model
+from tests.helpers import (PROMPTS, assert_one_line_error, assert_serves, make_generator, native_state, run_cli,
+                           trainer_model)
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.engine.generator import WeightsNotSyncedError
 from torchtitan_rl.weight_sync.sync import WeightSync
@@ -23,6 +24,10 @@ def generator(tmp_path_factory):
 
 
 def test_sleep_on_cpu_is_refused_in_one_line(tmp_path):
+    proc = run_cli("--config", "run_configs/cpu_tiny.toml", "--generator.sleep", "kv_cache",
+                   "--job.output_dir", str(tmp_path / "out"))
+    assert_one_line_error(proc, "generator.sleep: 'kv_cache' needs vLLM's sleep mode, which it has on CUDA only",
+                          prefix="torchtitan_rl: error: ")
     with pytest.raises(ValueError, match=r"^generator.sleep: 'weights' needs vLLM's sleep mode, which it has on CUDA"):
         make_generator(tmp_path, sleep="weights")
 

