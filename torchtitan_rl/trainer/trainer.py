@@ -166,7 +166,9 @@ class Trainer:
                 # which gloo lacks; a plain SUM is the same reduction.
                 module.set_force_sum_reduction_for_comms(True)
         if sharded_hf_load:
-            self.model.to_empty(device=self.device)
+            # trainer.cpu_offload: FSDP keeps the shards in host memory (as torchtitan's own meta-device init)
+            offload = config.cpu_offload and self.device.type == "cuda"
+            self.model.to_empty(device=torch.device("cpu") if offload else self.device)
             with torch.no_grad():
                 self.model.init_states(buffer_device=self.device)  # the RoPE buffers; the weights come next
             load_hf_weights_sharded(self.model, shape=shape, hf_dir=model_config.hf_checkpoint)
