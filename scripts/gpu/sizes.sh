@@ -10,8 +10,10 @@
 # CUDA's refusal, one line) are recorded.
 # Env: SIZES_ROWS (default: the whole table, ~12 rows: split it over calls, a row is ~2-5 min), SIZES_STEPS (6;
 # medians over steps 2..SIZES_STEPS-1), SIZES_ARGS (extra simple_grpo args for every row of the call, e.g.
-# "--trainer.master_dtype bfloat16 --trainer.micro_batch_tokens 32768"), SIZES_TIMEOUT_S (per row, 540),
+# "--trainer.master_dtype bfloat16 --trainer.micro_batch_tokens 32768"), SIZES_BUDGET_S (the call's time, 570: a row
+# gets what is left, and none under 90 s),
 # SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85).
+# SIZES_CONFIG (run_configs/qwen3_0.6b.toml).
 # After the stash call of docs/gpu.md, each call under 10 minutes:
 #   run(kind="nvidia-h100-x2", carry=[".gpu/b"], command="source .gpu/b/install.sh && SIZES_ROWS='4B:a:weights 4B:b:weights' bash scripts/gpu/sizes.sh")
 # Writes $OUT/sizes.jsonl (one JSON line per row, appended), $OUT/sizes_<row>.log (the tail of a failed row's log)
@@ -21,6 +23,7 @@ source "$(dirname "$0")/multi_gpu_env.sh"
 STEPS=${SIZES_STEPS:-6}
 ROWS=${SIZES_ROWS:-"1.7B:a:off 1.7B:a:weights 4B:a:off 4B:a:weights 8B:a:weights 1.7B:b:off 4B:b:off 4B:b:weights 8B:b:off 8B:b:weights 4B:c:off 8B:c:off"}
 work=$(mktemp -d /tmp/sizes.XXXXXX)
+began=$(date +%s)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
@@ -38,12 +41,14 @@ for row in $ROWS; do
     *) echo "unknown layout $layout in $row"; exit 2 ;;
   esac
   if [ "$layout" != a ] && [ "$ngpu" -lt 2 ]; then echo "=== $row: skipped, needs 2 GPUs"; continue; fi
+  left=$(( ${SIZES_BUDGET_S:-570} - ($(date +%s) - began) - 15 ))
+  if [ "$left" -lt 90 ]; then echo "=== $row: skipped, ${left} s left in this call"; continue; fi
   # shellcheck disable=SC2206
   extra=(${SIZES_ARGS:-})
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/$name.mem" &
   smi=$!
   start=$(date +%s)
-  timeout "${SIZES_TIMEOUT_S:-540}" "${launch[@]}" -m torchtitan_rl.simple_grpo --config run_configs/qwen3_0.6b.toml \
+  timeout "$left" "${launch[@]}" -m torchtitan_rl.simple_grpo --config "${SIZES_CONFIG:-run_configs/qwen3_0.6b.toml}" \
     --model.flavor "$flavor" --trainer.steps "$STEPS" --trainer.checkpoint.enable false \
     --job.output_dir "$work/$name" --weight_sync.peer_timeout_s 300 "${args[@]}" "${extra[@]}" > "$work/$name.log" 2>&1
   rc=$?

@@ -81,8 +81,13 @@ def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: in
         tokens = statistics.median(r["completion_tokens"] for r in kept) + (prompt_tokens or 0.0)
         train_s = out["median"]["train_s"]
         out["tokens_per_step"] = tokens
-        if train_s > 0:
-            out["trainer_mfu"] = 6 * matmul_params(flavor, vocab_size) * tokens / train_s / (trainer_gpus * peak_tflops * 1e12)
+        try:
+            params = matmul_params(flavor, vocab_size)
+        except ValueError as e:  # a flavor whose vocabulary is the task's (tiny): --vocab-size
+            out["trainer_mfu_missing"] = str(e)
+        else:
+            if train_s > 0:
+                out["trainer_mfu"] = 6 * params * tokens / train_s / (trainer_gpus * peak_tflops * 1e12)
     return out
 
 
