@@ -5,13 +5,22 @@
 # here the outputs after each wake (graph replay, prefix cache reset) must equal the run that never slept.
 #   run(carry=[".gpu/b"], command="source .gpu/b/install.sh && bash scripts/gpu/sleep_equal.sh")
 # Env: SLEEP_STEPS, SLEEP_ARGS (extra args for both runs, e.g. "--grpo.prompts_per_step 32").
-# Writes $OUT/sleep_equal.json (per metric: the largest |difference| over the steps), $OUT/sleep_<mode>.jsonl.
+# Env: SLEEP_MODES ("off weights"; "" runs the check alone), SLEEP_CHECK (1; 0 skips the check). The check and the
+# two runs together take ~9 min on an H100: two calls (SLEEP_MODES="" then SLEEP_CHECK=0) leave room.
+# Writes $OUT/sleep_check.json, $OUT/sleep_equal.json (per metric: the largest |difference| over the steps),
+# $OUT/sleep_<mode>.jsonl and $OUT/sleep_rows.jsonl (the sizes.sh row of each run).
 source "$(dirname "$0")/multi_gpu_env.sh"
 STEPS=${SLEEP_STEPS:-20}
 work=$(mktemp -d /tmp/sleep.XXXXXX)
 # shellcheck disable=SC2206
 extra=(${SLEEP_ARGS:-})
-for mode in off weights; do
+# First the state machine on this GPU with vLLM's real sleep mode (scripts/gpu/sleep_check.py, ~1 min).
+if [ "${SLEEP_CHECK:-1}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/gpu/sleep_check.py --json "$OUT/sleep_check.json" \
+    > "$work/check.log" 2>&1; echo "=== sleep_check: exit $?"; tail -n 1 "$work/check.log"
+  [ -s "$OUT/sleep_check.json" ] || tail -n 80 "$work/check.log" > "$OUT/sleep_check_failed.log"
+fi
+for mode in ${SLEEP_MODES-off weights}; do
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/$mode.mem" &
   smi=$!
   start=$(date +%s)
@@ -27,7 +36,7 @@ for mode in off weights; do
   python3 scripts/gpu/sizes_row.py --output-dir "$work/$mode" --log "$work/$mode.log" --mem "$work/$mode.mem" \
     --row "0.6B:a:$mode" --exit-code $rc --first 3 --last $(( STEPS - 1 )) >> "$OUT/sleep_rows.jsonl"
 done
-python3 - "$OUT/sleep_off.jsonl" "$OUT/sleep_weights.jsonl" > "$OUT/sleep_equal.json" <<'PY'
+[ -s "$OUT/sleep_off.jsonl" ] && [ -s "$OUT/sleep_weights.jsonl" ] && python3 - "$OUT/sleep_off.jsonl" "$OUT/sleep_weights.jsonl" > "$OUT/sleep_equal.json" <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -38,4 +47,4 @@ keys = ("reward_mean", "loss", "grad_norm", "kl", "entropy", "mismatch_mean", "m
 diff = {k: max(abs(a[k] - b[k]) for a, b in zip(off, on)) for k in keys if k in off[0]}
 print(json.dumps({"steps": len(off), "max_abs_diff": diff, "bitwise_equal": all(v == 0 for v in diff.values())}))
 PY
-cat "$OUT/sleep_equal.json"; cat "$OUT/sleep_rows.jsonl"
+cat "$OUT/sleep_equal.json" "$OUT/sleep_rows.jsonl" 2>/dev/null
