@@ -52,7 +52,7 @@ def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = No
     for (_, dtype), idx in groups.items():
         mesh = tensors[idx[0]].device_mesh
         world = mesh.size()
-        shards = [tensors[i].to_local() for i in idx]
+        shards = [tensors[i].to_local() if device is None else tensors[i].to_local().to(device) for i in idx]
         shapes = [tensors[i].shape for i in idx]
         chunks = [-(-s[0] // world) * s[1:].numel() for s in shapes]  # padded elements per rank and tensor
         offsets = [0]

@@ -226,8 +226,9 @@ class WeightSync:
         """The whole tensors of ``keys``, collectively on every rank: one all-gather
         per bucket for FSDP shards (in ``dtypes`` when given), local tensors as they
         are when the startup layout had nothing to gather (decided once, not per tensor)."""
-        if not self.gathered:
-            return [_local(state[k]) for k in keys]
+        if not self.gathered:  # trainer.cpu_offload on one rank: the shards come to the accelerator first
+            return [_local(state[k]) if self.gather_device is None else _local(state[k]).to(self.gather_device)
+                    for k in keys]
         return full_many([state[k] for k in keys], dtypes, self.gather_device)
 
     def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int, *, verify: str) -> int:
