@@ -165,10 +165,16 @@ def check_fits(est: MemoryEstimate, *, free: int, device: str) -> None:
 
 @contextlib.contextmanager
 def one_line_oom(where: str):
-    """CUDA's refusal (torch.OutOfMemoryError) at ``where`` as one ValueError line naming the fields to change."""
+    """CUDA's refusal (torch.OutOfMemoryError) at ``where``, or the CPU allocator's, as one ValueError line naming
+    the fields to change."""
     try:
         yield
     except torch.OutOfMemoryError as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"
         raise ValueError(f"memory: CUDA ran out of memory at {where} ({first[:160]}); make room with {LEVERS}") \
             from None
+    except RuntimeError as e:
+        if "can't allocate memory" not in str(e):  # torch's CPU allocator: a RuntimeError, not OutOfMemoryError
+            raise
+        raise ValueError(f"memory: the host ran out of memory at {where} ({str(e).splitlines()[0][-120:]}); make "
+                         f"room with {CPU_LEVERS}") from None

@@ -90,7 +90,8 @@ def run(cfg: JobConfig) -> list[dict]:
         if world.role == "generator":
             _memory_check(cfg, shape, device=device, role="generator", show=True)
             plan = agree(cfg, store=world.store, generator=True)
-            serve(cfg, world=world, shape=shape, workdir=plan.folder)
+            with one_line_oom("the generator rank"):
+                serve(cfg, world=world, shape=shape, workdir=plan.folder)
             return []
     else:
         init_process_group(device, timeout_s=cfg.trainer.collective_timeout_s,  # the Trainer reuses it

@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import REPO, assert_one_line_error, run_cli
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.config.job_config import GeneratorConfig, ModelConfig, TrainerConfig
-from torchtitan_rl.memory import GIB, check_fits, count_parameters, estimate
+from torchtitan_rl.memory import GIB, check_fits, count_parameters, estimate, one_line_oom
 from torchtitan_rl.models.families import resolve_shape
 
 WORKER = Path(__file__).with_name("memory_worker.py")
@@ -55,3 +55,17 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_it_starts(tmp_path)
     assert_one_line_error(proc, "memory: this run needs at least 138.", "trainer.master_dtype bfloat16",
                           prefix="torchtitan_rl: error: ")
     assert not any(tmp_path.iterdir())
+
+
+def test_an_allocation_the_machine_refuses_becomes_one_line():
+    """A real refusal of torch's CPU allocator (a petabyte); CUDA's OutOfMemoryError takes the same path on a GPU."""
+    import torch
+
+    with pytest.raises(ValueError, match=r"^memory: the host ran out of memory at step 3's train step \(.*\); make "
+                                         r"room with trainer.master_dtype bfloat16") as e:
+        with one_line_oom("step 3's train step"):
+            torch.empty(1 << 50, dtype=torch.uint8)
+    assert "\n" not in str(e.value)
+    with pytest.raises(RuntimeError, match="other"):  # anything else passes through
+        with one_line_oom("x"):
+            raise RuntimeError("other")
