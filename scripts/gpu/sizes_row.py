@@ -47,8 +47,11 @@ def log_lines(log: Path) -> tuple[str | None, str | None]:
         return None, None
     lines = [line.strip() for line in log.read_text(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
     estimate = next((line for line in lines if line.startswith("torchtitan_rl: memory per")), None)
-    errors = [line for line in lines if line.startswith("torchtitan_rl: error:") or "Error:" in line.split(" ")[0]
-              or line.startswith(("torch.OutOfMemoryError", "RuntimeError", "ValueError", "AssertionError"))]
+    # Ours first (one process: "torchtitan_rl: error: ..."; torchrun: "... error: rank R: ..." or "... rank R
+    # failed: ..."), then a traceback's last line; torchrun's own ChildFailedError report says less.
+    ours = [line for line in lines if line.startswith(("torchtitan_rl: error:", "torchtitan_rl: rank "))]
+    others = [line for line in lines if "Error:" in line.split(" ")[0] and "ChildFailedError" not in line]
+    errors = ours or others
     return estimate, errors[-1] if errors else None
 
 
