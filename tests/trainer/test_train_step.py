@@ -224,3 +224,20 @@ def test_dr_grpo_counts_rows_whose_tokens_are_all_masked(make_trainer):
     assert m_a["grad_norm"] == pytest.approx(m_b["grad_norm"], rel=GRAD_RTOL) and m_a["grad_norm"] > 0
     for name, g in _grads(b).items():
         torch.testing.assert_close(_grads(a)[name], g, rtol=0, atol=GRAD_RTOL * g.abs().max().item())
+
+
+def test_bfloat16_masters_keep_weights_gradients_and_adamw_state_in_bfloat16(make_trainer):
+    """trainer.master_dtype bfloat16: half the trainer's bytes; the RoPE buffers stay float32 and a step still
+    learns (the advantage test's direction)."""
+    trainer = make_trainer(master_dtype="bfloat16", optimizer=OptimizerConfig(lr=1e-2))
+    batch = make_batch(seed=4, batch_size=2)
+    before_BL = trainer.token_logprobs(batch.tokens_BL, temperature=1.0)
+    batch = dataclasses.replace(batch, old_logprobs_BL=before_BL * batch.loss_mask_BL,
+                                advantages_B=torch.tensor([1.0, 0.0]))
+    trainer.train_step(batch, temperature=1.0, grpo=GRPO)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {g.dtype for g in _grads(trainer).values()} == {torch.bfloat16}
+    assert {s.dtype for st in trainer.optimizer.state.values() for k, s in st.items() if k != "step"} == {torch.bfloat16}
+    assert {b.dtype for b in trainer.model.buffers()} == {torch.float32}
+    after_BL = trainer.token_logprobs(batch.tokens_BL, temperature=1.0)
+    assert ((after_BL - before_BL) * batch.loss_mask_BL)[0].sum().item() > 0.05

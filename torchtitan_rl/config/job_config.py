@@ -181,6 +181,10 @@ class TrainerConfig:
     """torch.compile each decoder block and the chunked log-softmax; ignored in batch_invariant_mode (its own kernels)."""
     activation_checkpoint: Literal["none", "full"] = "none"
     """full: keep only each block's input and recompute the block in backward (memory for ~1/3 more compute)."""
+    cpu_offload: bool = False
+    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace only."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trainer's parameters, gradients and AdamW state (torchtitan's training.dtype): float32 masters (16 bytes a parameter) or bfloat16 throughout (8; updates below bf16's resolution of a weight are lost)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     collective_timeout_s: float = 3600.0
@@ -237,6 +241,8 @@ class GeneratorConfig:
     """dummy: random start, serve only after the first sync; auto: load model.hf_checkpoint."""
     wait_for_weights_s: float = 0.0
     """How long a generate call waits for the first sync; 0 raises at once."""
+    sleep: Literal["off", "kv_cache", "weights"] = "off"
+    """weight_sync.transport inplace, CUDA: free the engine's device memory while the trainer steps (vLLM sleep mode); the next sync wakes it. kv_cache: level 1 (KV cache dropped, weights parked in host memory); weights: level 2 (both dropped: the next sync rewrites and verifies every tensor, nothing is served before). vLLM has no sleep mode on CPU."""
     colocated_ranks: Literal["all", "first"] = "all"
     """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

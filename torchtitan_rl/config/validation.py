@@ -64,6 +64,15 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
         cfg.generator.parallelism.check("generator.parallelism", world_size=world_size, exact=False)
     if cfg.weight_sync.transport == "server":
         check_serve(cfg)
+    if cfg.generator.sleep != "off" and cfg.weight_sync.transport != "inplace":
+        raise ValueError(f"generator.sleep: '{cfg.generator.sleep}' frees a colocated engine's memory while the "
+                         f"trainer steps; weight_sync.transport '{cfg.weight_sync.transport}' has none, set it off")
+    if cfg.trainer.cpu_offload and cfg.weight_sync.transport != "inplace":
+        raise ValueError(f"trainer.cpu_offload: supported with weight_sync.transport 'inplace' only, got "
+                         f"'{cfg.weight_sync.transport}'; use trainer.master_dtype bfloat16 to halve the trainer state")
+    if cfg.generator.sleep == "weights" and not cfg.weight_sync.enable:
+        raise ValueError("generator.sleep: 'weights' drops the engine's weights every step and only a sync brings "
+                         "them back; weight_sync.enable false syncs once, use 'kv_cache' or 'off'")
     cfg.trainer.parallelism.check("trainer.parallelism", world_size=world_size, exact=True)
     _check_rows_per_rank(cfg, dp=world_size // cfg.trainer.parallelism.tensor_parallel_degree)
 

@@ -29,7 +29,8 @@ def _fsdp_sharded(t: torch.Tensor) -> bool:
     return isinstance(placement, Shard) and placement.dim == 0
 
 
-def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None) -> list[torch.Tensor]:
+def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None,
+              device: torch.device | None = None) -> list[torch.Tensor]:
     """``full`` of each tensor, collectively on every rank; gathered ones come back in
     ``dtypes`` (the dtype they travel in), the others as they are (a caller's copy casts them).
 
@@ -37,7 +38,8 @@ def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = No
     dtype: each rank packs its shards, cast first (half the bytes for fp32
     masters going to bf16), padded to ceil(rows / ranks) rows as DTensor
     splits them (a full_tensor() call per tensor costs host time: docs/design.md). Other layouts
-    (tensor parallel, 2-D meshes) gather one by one.
+    (tensor parallel, 2-D meshes) gather one by one. ``device``: where FSDP shards are packed and
+    gathered (offloaded shards live on the CPU; the gather runs on the accelerator).
     """
     dtypes = dtypes or [t.dtype for t in tensors]
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -50,13 +52,13 @@ def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = No
     for (_, dtype), idx in groups.items():
         mesh = tensors[idx[0]].device_mesh
         world = mesh.size()
-        shards = [tensors[i].to_local() for i in idx]
+        shards = [tensors[i].to_local() if device is None else tensors[i].to_local().to(device) for i in idx]
         shapes = [tensors[i].shape for i in idx]
         chunks = [-(-s[0] // world) * s[1:].numel() for s in shapes]  # padded elements per rank and tensor
         offsets = [0]
         for c in chunks:
             offsets.append(offsets[-1] + c)
-        send = torch.empty(offsets[-1], dtype=dtype, device=shards[0].device)
+        send = torch.empty(offsets[-1], dtype=dtype, device=device or shards[0].device)
         torch._foreach_copy_([send[o : o + s.numel()].view(s.shape) for o, s in zip(offsets, shards)], shards)
         recv = torch.empty(world, offsets[-1], dtype=dtype, device=send.device)
         dist.all_gather_into_tensor(recv.view(-1), send, group=mesh.get_group())

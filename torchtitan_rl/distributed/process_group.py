@@ -24,7 +24,7 @@ def local_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def init_process_group(device: torch.device, *, timeout_s: float = 3600.0) -> None:
+def init_process_group(device: torch.device, *, timeout_s: float = 3600.0, cpu_tensors: bool = False) -> None:
     """Join torchrun's process group, or start a one-process group; reuse one that exists.
 
     ``timeout_s`` (trainer.collective_timeout_s) bounds each collective of the default group, where the
@@ -36,7 +36,9 @@ def init_process_group(device: torch.device, *, timeout_s: float = 3600.0) -> No
     backend, device_id = "gloo", None
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend, device_id = "nccl", device
+        # trainer.cpu_offload: sharded state lives on the CPU, and its collectives (gradient norm, the sync's
+        # checks) need a backend for CPU tensors beside NCCL, as torchtitan's own offload does.
+        backend, device_id = "cuda:nccl,cpu:gloo" if cpu_tensors else "nccl", device
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, device_id=device_id, timeout=timeout)
         return

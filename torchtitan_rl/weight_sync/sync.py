@@ -52,10 +52,13 @@ class WeightSync:
         reference: dict[str, torch.Tensor],
         generator: SyncTarget | None = None,
         lora: LoRAConfig | None = None,
+        gather_device: torch.device | None = None,
     ):
         self.config = config
         self.generator = generator
         self.lora = lora if lora is not None and lora.rank > 0 else None
+        self.gather_device = gather_device
+        """Where FSDP shards are gathered; None: where they live (trainer.cpu_offload: the accelerator, not the CPU)."""
         reference = self._source(reference)
         self.aliases = source_aliases(reference)
         self.keys = [k for k in reference if k not in self.aliases]
@@ -88,6 +91,8 @@ class WeightSync:
             self.wire = wire[0]
         self._moved: dict[str, tuple[weakref.ref, int]] = {}
         """Frozen tensors as they were when last moved: (the tensor, its version counter)."""
+        self._full_next = False
+        """The generator dropped its weights (sleep level 2): the next sync moves, and verifies, every tensor."""
 
     def _source(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return merged_state(state, self.lora) if self.lora is not None and self.lora.sync == "merged" else state
@@ -155,16 +160,22 @@ class WeightSync:
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> SyncStats:
         start = time.perf_counter()
         state = self._source(state)
+        gen = self.generator
+        # Every rank learns of a discard together (rollout/colocated.py sleeps them all): the keys stay collective.
+        assert gen is None or not gen.weights_discarded or self._full_next, "weights_discarded() was not called"
+        full = self._full_next
         keys = self.adapter_keys if self.adapter_keys and self.base_synced else self.keys
         self.check_structure(state)  # before anything indexes it: a missing key is a ValueError naming it
         unchanged = self.unchanged(state, keys)
         keys = [k for k in keys if k not in unchanged] if unchanged else keys
         self.check_values(state, keys)
-        gen = self.generator
         if gen is not None:
             gen.begin_sync()
         try:
-            verified = self._move(state, keys, version)
+            if full and self.plan is not None:
+                for tensor, value in self.plan.constants.values():  # engine-owned, dropped with the rest
+                    tensor.fill_(value)
+            verified = self._move(state, keys, version, verify="full" if full else self.config.verify)
             if gen is not None:
                 verified += verify_constants(self.plan.constants)
         except BaseException:
@@ -173,6 +184,7 @@ class WeightSync:
             raise
         if gen is not None:
             gen.finish_sync(version)
+        self._full_next = False
         self.base_synced = True
         self.mark_moved(state, keys)
         return SyncStats(version, time.perf_counter() - start, sum(self.sizes[k] for k in keys), verified)
@@ -186,6 +198,13 @@ class WeightSync:
     def forget_moved(self) -> None:
         """The generator lost its weights: the next sync moves every tensor."""
         self._moved.clear()
+
+    def weights_discarded(self) -> None:
+        """The generator dropped its weights (sleep level 2), on every rank at once: the next sync moves every
+        tensor of the plan (buffers, a LoRA run's base and the engine's constants included) and verifies all."""
+        self.forget_moved()
+        self.base_synced = False
+        self._full_next = True
 
     def unchanged(self, state: dict[str, torch.Tensor], keys: list[str]) -> set[str]:
         """Frozen tensors (buffers such as the RoPE cache, a LoRA run's base) not
@@ -207,13 +226,14 @@ class WeightSync:
         """The whole tensors of ``keys``, collectively on every rank: one all-gather
         per bucket for FSDP shards (in ``dtypes`` when given), local tensors as they
         are when the startup layout had nothing to gather (decided once, not per tensor)."""
-        if not self.gathered:
-            return [_local(state[k]) for k in keys]
-        return full_many([state[k] for k in keys], dtypes)
+        if not self.gathered:  # trainer.cpu_offload on one rank: the shards come to the accelerator first
+            return [_local(state[k]) if self.gather_device is None else _local(state[k]).to(self.gather_device)
+                    for k in keys]
+        return full_many([state[k] for k in keys], dtypes, self.gather_device)
 
-    def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int) -> int:
+    def _move(self, state: dict[str, torch.Tensor], keys: list[str], version: int, *, verify: str) -> int:
         entries = {e.source: e for e in self.plan.entries} if self.plan is not None else {}
-        check = pick_entries(keys, self.config.verify, self.config.verify_samples, version)
+        check = pick_entries(keys, verify, self.config.verify_samples, version)
         verified = 0
         for bucket in self._buckets(keys):
             sources = self.sources(state, bucket, [self.wire.get(k, state[k].dtype) for k in bucket])
@@ -229,7 +249,7 @@ def _verify(keys, sources, dests, check: set[str]) -> int:
     verified = 0
     for key, src, dst in zip(keys, sources, dests):
         if key in check:
-            if not torch.equal(dst, src.view(dst.shape).to(dst.dtype)):
+            if not torch.equal(dst, src.view(dst.shape).to(dst.device, dst.dtype)):  # trainer.cpu_offload: CPU
                 raise RuntimeError(f"weight_sync: {key} did not arrive in the generator")
             verified += 1
     return verified

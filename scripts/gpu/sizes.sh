@@ -1,0 +1,63 @@
+#!/bin/bash
+# The size table (docs/benchmarks.md "Sizes"; README "Which layout for my model and GPUs"): Qwen3 1.7B / 4B / 8B
+# with random weights through the GRPO loop of run_configs/qwen3_0.6b.toml (--model.flavor), on one GPU and on two,
+# with and without generator.sleep. One row = FLAVOR:LAYOUT:SLEEP, picked by SIZES_ROWS (space-separated):
+#   layout a   one process on GPU 0 (trainer and engine colocated)
+#   layout b   torchrun on 2 GPUs, colocated on both (generator.colocated_ranks all)
+#   layout c   torchrun on 2 GPUs, 1 trainer rank + 1 generator rank (weight_sync.transport nccl; sleep must be off)
+#   sleep      off | kv_cache | weights (generator.sleep)
+# A row that does not fit is a row too: its exit code and the line that refused it (the pre-start estimate or
+# CUDA's refusal, one line) are recorded.
+# Env: SIZES_ROWS (default: the whole table, ~12 rows: split it over calls, a row is ~2-5 min), SIZES_STEPS (6;
+# medians over steps 2..SIZES_STEPS-1), SIZES_ARGS (extra simple_grpo args for every row of the call, e.g.
+# "--trainer.master_dtype bfloat16 --trainer.micro_batch_tokens 32768"), SIZES_BUDGET_S (the call's time, 570: a row
+# gets what is left, and none under 90 s),
+# SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85).
+# SIZES_CONFIG (run_configs/qwen3_0.6b.toml).
+# After the stash call of docs/gpu.md, each call under 10 minutes:
+#   run(kind="nvidia-h100-x2", carry=[".gpu/b"], command="source .gpu/b/install.sh && SIZES_ROWS='4B:a:weights 4B:b:weights' bash scripts/gpu/sizes.sh")
+# Writes $OUT/sizes.jsonl (one JSON line per row, appended), $OUT/sizes_<row>.log (the tail of a failed row's log)
+# and samples every GPU's used memory with nvidia-smi every 0.5 s for the peak. At most 8 files come back: rows
+# append to one file; failed logs are the others.
+source "$(dirname "$0")/multi_gpu_env.sh"
+STEPS=${SIZES_STEPS:-6}
+ROWS=${SIZES_ROWS:-"1.7B:a:off 1.7B:a:weights 4B:a:off 4B:a:weights 8B:a:weights 1.7B:b:off 4B:b:off 4B:b:weights 8B:b:off 8B:b:weights 4B:c:off 8B:c:off"}
+work=$(mktemp -d /tmp/sizes.XXXXXX)
+began=$(date +%s)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+for row in $ROWS; do
+  IFS=: read -r flavor layout sleep <<< "$row"
+  name=${row//:/_}
+  args=(--generator.sleep "$sleep")
+  trainer_gpus=1
+  case $layout in
+    a) launch=(env CUDA_VISIBLE_DEVICES=0 python3) ;;
+    b) launch=(python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29561)
+       args+=(--generator.colocated_ranks all); trainer_gpus=2 ;;
+    c) launch=(python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29561)
+       args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization "${SIZES_GPU_UTIL_C:-0.85}") ;;
+    *) echo "unknown layout $layout in $row"; exit 2 ;;
+  esac
+  if [ "$layout" != a ] && [ "$ngpu" -lt 2 ]; then echo "=== $row: skipped, needs 2 GPUs"; continue; fi
+  left=$(( ${SIZES_BUDGET_S:-570} - ($(date +%s) - began) - 15 ))
+  if [ "$left" -lt 90 ]; then echo "=== $row: skipped, ${left} s left in this call"; continue; fi
+  # shellcheck disable=SC2206
+  extra=(${SIZES_ARGS:-})
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/$name.mem" &
+  smi=$!
+  start=$(date +%s)
+  timeout "$left" "${launch[@]}" -m torchtitan_rl.simple_grpo --config "${SIZES_CONFIG:-run_configs/qwen3_0.6b.toml}" \
+    --model.flavor "$flavor" --trainer.steps "$STEPS" --trainer.checkpoint.enable false \
+    --job.output_dir "$work/$name" --weight_sync.peer_timeout_s 300 "${args[@]}" "${extra[@]}" > "$work/$name.log" 2>&1
+  rc=$?
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  echo "=== $row: exit $rc after $(( $(date +%s) - start )) s on $gpu"
+  tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | grep -E "torchtitan_rl:|Error" | tail -n 6
+  [ $rc = 0 ] || tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | tail -n 120 > "$OUT/sizes_$name.log"
+  python3 scripts/gpu/sizes_row.py --output-dir "$work/$name" --log "$work/$name.log" --mem "$work/$name.mem" \
+    --row "$row" --exit-code "$rc" --first 2 --last $(( STEPS - 1 )) --trainer-gpus "$trainer_gpus" \
+    --args "${args[*]} ${extra[*]} gpu=$gpu wall_s=$(( $(date +%s) - start ))" >> "$OUT/sizes.jsonl"
+  tail -n 1 "$OUT/sizes.jsonl"
+done

@@ -1,0 +1,118 @@
+"""One row of the size table (scripts/gpu/sizes.sh) from what a run left: its run folder's metrics.jsonl, its log and
+nvidia-smi's memory samples. Prints one JSON line.
+
+    python scripts/gpu/sizes_row.py --output-dir OUT_DIR --log LOG --mem MEM --row 4B:b:weights --exit-code 0 \
+        [--first 2 --last 5] [--gpus 2] [--peak-tflops 989.4] [--args "..."]
+
+OUT_DIR is the run's job.output_dir (runs write OUT_DIR/run-N/ and link OUT_DIR/latest to the newest). Step times are
+medians over steps --first..--last (the first steps compile and capture graphs). Trainer MFU is 6 x matmul
+parameters x tokens trained / train_s / (trainer GPUs x peak): tokens are prompt + completion tokens of the step's
+rollouts, attention's own FLOPs and activation checkpointing's recompute are not counted (a lower bound).
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s")
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The step records of the newest run under ``output_dir`` (its ``latest`` link)."""
+    path = output_dir / "latest" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if "step_s" in r]
+
+
+def peak_memory(mem: Path) -> dict[int, int]:
+    """Peak used MiB per GPU index from nvidia-smi's 'index, memory.used' samples."""
+    peak: dict[int, int] = {}
+    if not mem.exists():
+        return peak
+    for line in mem.read_text().splitlines():
+        try:
+            gpu, used = (int(x) for x in line.split(","))
+        except ValueError:
+            continue
+        peak[gpu] = max(peak.get(gpu, 0), used)
+    return peak
+
+
+def log_lines(log: Path) -> tuple[str | None, str | None]:
+    """(the memory estimate line, the line that ended the run: torchtitan_rl's one-line error or a traceback's last)."""
+    if not log.exists():
+        return None, None
+    lines = [line.strip() for line in log.read_text(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
+    estimate = next((line for line in lines if line.startswith("torchtitan_rl: memory per")), None)
+    # Ours first (one process: "torchtitan_rl: error: ..."; torchrun: "... error: rank R: ..." or "... rank R
+    # failed: ..."), then a traceback's last line; torchrun's own ChildFailedError report says less.
+    ours = [line for line in lines if line.startswith(("torchtitan_rl: error:", "torchtitan_rl: rank "))]
+    others = [line for line in lines if "Error:" in line.split(" ")[0] and "ChildFailedError" not in line]
+    errors = ours or others
+    return estimate, errors[-1] if errors else None
+
+
+def matmul_params(flavor: str, vocab_size: int = 0) -> int:
+    """Parameters in matmuls: all of them, less an untied embedding (a lookup)."""
+    from torchtitan_rl.memory import count_parameters
+    from torchtitan_rl.models.families import resolve_shape
+
+    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=vocab_size, max_seq_len=512)
+    total = count_parameters(shape)[0]
+    return total if shape.tie_word_embeddings else total - shape.vocab_size * shape.hidden_size
+
+
+def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: int, first: int, last: int,
+              trainer_gpus: int, peak_tflops: float, args: str = "", prompt_tokens: float | None = None,
+              vocab_size: int = 0) -> dict:
+    flavor, layout, sleep = row.split(":")
+    records = read_metrics(output_dir)
+    kept = [r for r in records if first <= r["step"] <= last] or records
+    estimate, error = log_lines(log)
+    out = {
+        "row": row, "flavor": flavor, "layout": layout, "sleep": sleep, "args": args, "exit_code": exit_code,
+        "fits": exit_code == 0 and bool(records), "refusal": error if exit_code else None, "estimate": estimate,
+        "steps_logged": len(records), "median_steps": [first, last],
+        "peak_gpu_mem_mib": peak_memory(mem),
+        "median": {k: statistics.median(r[k] for r in kept) for k in KEYS if kept and k in kept[0]},
+        "trainer_mfu": None,
+    }
+    if kept:
+        tokens = statistics.median(r["completion_tokens"] for r in kept) + (prompt_tokens or 0.0)
+        train_s = out["median"]["train_s"]
+        out["tokens_per_step"] = tokens
+        try:
+            params = matmul_params(flavor, vocab_size)
+        except ValueError as e:  # a flavor whose vocabulary is the task's (tiny): --vocab-size
+            out["trainer_mfu_missing"] = str(e)
+        else:
+            if train_s > 0:
+                out["trainer_mfu"] = 6 * params * tokens / train_s / (trainer_gpus * peak_tflops * 1e12)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--output-dir", type=Path, required=True)
+    p.add_argument("--log", type=Path, required=True)
+    p.add_argument("--mem", type=Path, required=True)
+    p.add_argument("--row", required=True, help="flavor:layout:sleep, e.g. 4B:b:weights")
+    p.add_argument("--exit-code", type=int, required=True)
+    p.add_argument("--first", type=int, default=2)
+    p.add_argument("--last", type=int, default=5)
+    p.add_argument("--trainer-gpus", type=int, default=1)
+    p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 of one GPU (H100/H200 SXM)")
+    p.add_argument("--prompt-tokens", type=float, default=None, help="prompt tokens per step, added to the count")
+    p.add_argument("--args", default="")
+    p.add_argument("--vocab-size", type=int, default=0, help="for flavors without one (tiny: the task's)")
+    a = p.parse_args()
+    print(json.dumps(summarize(output_dir=a.output_dir, log=a.log, mem=a.mem, row=a.row, exit_code=a.exit_code,
+                               first=a.first, last=a.last, trainer_gpus=a.trainer_gpus, peak_tflops=a.peak_tflops,
+                               args=a.args, prompt_tokens=a.prompt_tokens, vocab_size=a.vocab_size)))
+
+
+if __name__ == "__main__":
+    main()

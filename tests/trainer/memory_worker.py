@@ -1,0 +1,45 @@
+"""One trainer's host memory, measured (python tests/trainer/memory_worker.py FLAVOR MASTER_DTYPE): JSON on stdout
+with the RSS growth from before the Trainer to after its first optimizer step and the estimate of the same run."""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
+from torchtitan_rl.grpo.loss import grpo_loss  # noqa: F401  (imported before the baseline, as the Trainer does)
+from torchtitan_rl.memory import estimate
+from torchtitan_rl.models.families import resolve_shape
+from torchtitan_rl.trainer import TrainBatch, Trainer
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def main(flavor: str, master_dtype: str) -> None:
+    torch.set_num_threads(1)
+    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=64)
+    cfg = JobConfig(model=ModelConfig(flavor=flavor), trainer=TrainerConfig(master_dtype=master_dtype))
+    est = estimate(cfg, shape, world_size=1, device_total=0, role="trainer")
+    before = rss()
+    trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
+                      output_dir=Path(tempfile.mkdtemp()))
+    tokens_BL = torch.randint(1, 1000, (2, 16))
+    mask_BL = torch.zeros(2, 16)
+    mask_BL[:, 8:] = 1
+    batch = TrainBatch(tokens_BL=tokens_BL, loss_mask_BL=mask_BL, old_logprobs_BL=-5.0 * mask_BL,
+                       advantages_B=torch.tensor([1.0, -1.0]))
+    trainer.train_step(batch, temperature=1.0, grpo=cfg.grpo, max_tokens=8)
+    after = rss()
+    print(json.dumps({"measured": after - before, "estimate": est.trainer_resident, "summary": est.summary()}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
