@@ -233,6 +233,8 @@ class GeneratorConfig:
     """Most sequences vLLM schedules at once."""
     enforce_eager: bool = True
     """Run eagerly; false lets vLLM capture CUDA graphs on GPU."""
+    async_scheduling: bool = True
+    """vLLM schedules iteration i+1 while the device runs iteration i (vLLM 0.26's own default for this engine on GPU; vLLM's CPU backend turns it off, we keep it on when asked so CPU runs take the same path). Samples are the same with it on or off (seeded); every generate ends with no iteration in flight."""
     load_format: Literal["dummy", "auto"] = "dummy"
     """dummy: random start, serve only after the first sync; auto: load model.hf_checkpoint."""
     wait_for_weights_s: float = 0.0

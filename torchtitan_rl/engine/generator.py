@@ -139,6 +139,7 @@ class Generator:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
+            async_scheduling=config.async_scheduling,
             tensor_parallel_size=config.parallelism.tensor_parallel_degree,
             seed=seed,
             device=device,
@@ -254,7 +255,9 @@ class Generator:
                 requests.append((rid, prompt))
         finished = {}
         with _cycle_collector_paused():
-            while self.engine.has_unfinished_requests():
+            # Also collects a batch still in flight once every request finished (async scheduling): the
+            # engine is idle when generate returns, so a sync never writes under a running iteration.
+            while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out.outputs[0]
