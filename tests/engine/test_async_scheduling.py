@@ -5,6 +5,7 @@ import pytest
 from tests.helpers import PROMPTS, make_generator, native_state, trainer_model
 from torchtitan_rl import compat
 from torchtitan_rl.config import WeightSyncConfig
+from torchtitan_rl.engine.generator import sample_seed, sampling_params
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 
@@ -44,3 +45,18 @@ def test_generate_returns_with_no_iteration_in_flight(engines, stop_token_ids):
     gen.generate(PROMPTS, n=4, seed=12, stop_token_ids=stop_token_ids)
     assert not compat.batches_in_flight(gen.engine)
     assert not gen.engine.engine_core.engine_core.scheduler.has_requests()
+
+
+def test_flat_logprobs_are_the_logprobs_vllm_reports_per_token(engines):
+    """generate reads the sampled token's logprob from vLLM's flat lists; the same seeded request with
+    vLLM's per-token dicts (its default) reports the same tokens and the same logprobs, bit for bit."""
+    gen = engines[True]
+    rollouts = gen.generate(PROMPTS[:1], n=1, seed=13)
+    params = sampling_params(gen.config.sampling, stop_token_ids=None, seed=sample_seed(13, 0, 0))
+    params.flat_logprobs = False
+    gen.engine.add_request("dict-logprobs", {"prompt_token_ids": PROMPTS[0]}, params)
+    done = None
+    while gen.engine.has_unfinished_requests() or compat.batches_in_flight(gen.engine):
+        done = next((o.outputs[0] for o in gen.engine.step() if o.finished), done)
+    assert list(done.token_ids) == rollouts.completion_ids[0]
+    assert [pos[t].logprob for pos, t in zip(done.logprobs, done.token_ids)] == rollouts.logprobs[0]

@@ -54,8 +54,8 @@ def _unmerged_lora(lora: LoRAConfig) -> dict | None:
 def _cycle_collector_paused():
     """Python's cycle collector off for a generate, back on (if it was) after.
 
-    vLLM keeps a Logprob object per sampled token until its request ends, and the
-    collector's full passes over them cost a sizeable part of a generate
+    vLLM kept a Logprob object per sampled token until its request ended (flat_logprobs
+    now keeps lists), and the collector's full passes over them cost a sizeable part of a generate
     (docs/design.md, "Why the code looks this way"). Refcounting still frees everything
     acyclic at once; cycles made meanwhile wait for the next collection.
     """
@@ -89,6 +89,8 @@ def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed
         top_k=s.top_k if s.top_k > 0 else 0,
         max_tokens=s.max_tokens,
         logprobs=logprobs,
+        # Each request's logprobs as a few flat lists, not a dict and a Logprob object per token.
+        flat_logprobs=True,
         stop_token_ids=stop_token_ids,
         stop=stop,
         seed=seed,
@@ -272,7 +274,9 @@ class Generator:
             ids = list(c.token_ids)
             prompt_ids.append(list(prompt))
             completions.append(ids)
-            logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
+            # logprobs=0: one entry per position, the sampled token's (FlatLogprobs, flat_logprobs=True).
+            assert c.logprobs.token_ids == ids, "expected the sampled token's logprob only"
+            logprobs.append(c.logprobs.logprobs)
         return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
 
     # The loop's interface (rollout/base.py), so that a one-process caller can use a Generator directly.
