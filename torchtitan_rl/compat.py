@@ -206,6 +206,14 @@ def _private_world():
         dist.get_world_size, dist.get_rank, dist.new_group = real_world_size, real_rank, real_new_group
 
 
+def compilable(model_cls: type, *, enable_if) -> type:
+    """A subclass of ``model_cls`` that vLLM torch.compiles (its ``support_torch_compile``, the decorator of
+    its own models) when ``enable_if(vllm_config)``; otherwise it runs ``model_cls``'s forward as is."""
+    from vllm.compilation.decorators import support_torch_compile
+
+    return support_torch_compile(enable_if=enable_if)(type(model_cls.__name__, (model_cls,), {}))
+
+
 def vllm_on_cpu() -> bool:
     from vllm.platforms import current_platform
 

@@ -18,7 +18,7 @@ import torch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH, register
+from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 from torchtitan_rl.rollout.base import Done, Rollouts
 
 
@@ -136,6 +136,7 @@ class Generator:
                 "architectures": [TITAN_ARCH],
                 BATCH_INVARIANT_KEY: batch_invariant,
                 LORA_KEY: _unmerged_lora(model_config.lora),
+                COMPILE_KEY: config.compile and not batch_invariant and _unmerged_lora(model_config.lora) is None,
             },
             dtype=model_config.dtype,
             max_model_len=config.max_model_len,
