@@ -5,7 +5,7 @@ loop timed where it is called (the scheduler's schedule and update_from_output, 
 model runner's execute_model and sample_tokens, which hold the model's forward and the sampler), plus our
 own code around the loop. --cprofile prints cProfile's top functions of one more generate.
 
-    python scripts/profile_host.py [--prompts 64 --n 8 --max-tokens 32] [--dict-logprobs] [--no-async]
+    python scripts/profile_host.py [--prompts 64 --n 8 --max-tokens 32] [--dict-logprobs] [--no-async] [--compile]
 """
 
 import argparse
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dict-logprobs", action="store_true", help="vLLM's per-token logprob dicts (the old path)")
     parser.add_argument("--no-async", action="store_true", help="generator.async_scheduling = false")
+    parser.add_argument("--compile", action="store_true", help="generator.compile = true (vLLM compiles the model)")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -87,7 +88,7 @@ def main() -> None:
     shape = resolve_shape(flavor=args.flavor, hf_checkpoint=None, vocab_size=16 if args.flavor == "tiny" else 0,
                           max_seq_len=max_len)
     config = GeneratorConfig(max_model_len=max_len, max_num_seqs=args.prompts * args.n, kv_cache_memory_gb=1.0,
-                             async_scheduling=not args.no_async)
+                             async_scheduling=not args.no_async, compile=args.compile, enforce_eager=not args.compile)
     gen = Generator(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device="cpu",
                     workdir=Path(tempfile.mkdtemp(prefix="prof_host_")))
     titan = build_titan_model(shape, seed=0)
@@ -156,7 +157,7 @@ def main() -> None:
     best = min(runs, key=lambda r: r["host_cpu_ms_per_iteration"])
     result = {"flavor": args.flavor, "requests": args.prompts * args.n, "max_tokens": args.max_tokens,
               "async_scheduling": gen.engine.vllm_config.scheduler_config.async_scheduling,
-              "flat_logprobs": not args.dict_logprobs,
+              "flat_logprobs": not args.dict_logprobs, "compile": args.compile,
               "host_cpu_ms_per_iteration_runs": [round(r["host_cpu_ms_per_iteration"], 3) for r in runs],
               "host_cpu_ms_per_iteration_median": statistics.median(r["host_cpu_ms_per_iteration"] for r in runs),
               "best_run": best}

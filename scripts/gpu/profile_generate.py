@@ -31,6 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from profile_host import dict_logprobs  # noqa: E402
+
 VARIANTS = {
     "base": {},
     "no_async": {"async_scheduling": False},
@@ -42,30 +45,6 @@ VARIANTS = {
 }
 """GeneratorConfig overrides per variant (base: the loop's config). dict_logprobs: base with vLLM's
 per-token logprob dicts (flat_logprobs off), the host path before flat logprobs."""
-
-
-def dict_logprobs(generator_module, engine) -> None:
-    """vLLM's per-token logprob dicts, turned into the flat lists generate reads when a request finishes
-    (the old generate read the dicts once, at the end)."""
-    from vllm.logprobs import FlatLogprobs
-
-    real_params, real_step = generator_module.sampling_params, engine.step
-
-    def params(*a, **kw):
-        p = real_params(*a, **kw)
-        p.flat_logprobs = False
-        return p
-
-    def step():
-        outputs = real_step()
-        for out in outputs:
-            for c in out.outputs if out.finished else ():
-                flat = FlatLogprobs()
-                flat.extend(c.logprobs)
-                c.logprobs = flat
-        return outputs
-
-    generator_module.sampling_params, engine.step = params, step
 
 
 def kernel_union_s(prof) -> tuple[float, float]:
