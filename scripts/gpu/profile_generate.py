@@ -15,7 +15,8 @@ Definitions (per generate, ``iterations`` = model executions with scheduled toke
 - gpu_busy_fraction: union of kernel intervals / wall, under the profiler; gpu_busy_fraction_unprofiled
   is that kernel time over an unprofiled generate's wall (the profiler slows the host, not the GPU).
 - host_ms_per_iteration: (profiled wall - host time blocked in cuda*Synchronize) / iterations: the engine
-  thread's own work (scheduling, input preparation, launches, output processing), profiler overhead included.
+  thread's own work (scheduling, input preparation, launches, output processing), profiler overhead included;
+  gpu_idle_ms_per_iteration_unprofiled: (unprofiled wall - GPU busy) / iterations, what the host costs the GPU.
 - engine_steps_per_token: LLMEngine.step calls / max_tokens (every sample runs to max_tokens: random
   weights, no eos id); iterations_per_token likewise.
 """
@@ -158,6 +159,8 @@ def worker(variant: str, args) -> dict:
         "gpu_busy_fraction": union_s / wall,
         "gpu_busy_fraction_unprofiled": union_s / gen_s,
         "gpu_ms_per_iteration": 1e3 * union_s / iterations,
+        # Unprofiled wall per iteration minus the GPU's: the GPU idle, waiting for the host.
+        "gpu_idle_ms_per_iteration_unprofiled": 1e3 * (gen_s - union_s) / runs[0][2]["iterations"],
         "host_blocked_s": blocked,
         "host_ms_per_iteration": 1e3 * (wall - blocked) / iterations,
         "top_gpu_kernels": [(e.key[:80], round(e.self_device_time_total / 1e3, 1)) for e in top],
