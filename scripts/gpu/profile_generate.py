@@ -17,11 +17,14 @@ Definitions (per generate, ``iterations`` = model executions with scheduled toke
 - host_ms_per_iteration: (profiled wall - host time blocked in cuda*Synchronize) / iterations: the engine
   thread's own work (scheduling, input preparation, launches, output processing), profiler overhead included;
   gpu_idle_ms_per_iteration_unprofiled: (unprofiled wall - GPU busy) / iterations, what the host costs the GPU.
+- samples_digest / logprobs_digest: sha256 of the seeded generate's tokens / logprobs; variants that keep
+  the kernels (base, no_async, dict_logprobs) must agree (compile changes the arithmetic).
 - engine_steps_per_token: LLMEngine.step calls / max_tokens (every sample runs to max_tokens: random
   weights, no eos id); iterations_per_token likewise.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -113,11 +116,18 @@ def worker(variant: str, args) -> dict:
 
     gen.engine.step, core.model_executor.execute_model = counting_step, counting_execute
 
+    digests = {}
+
     def generate(seed: int = 1) -> tuple[float, int, dict]:
         counts.update(engine_steps=0, iterations=0)
         t = time.perf_counter()
         rollouts = gen.generate(prompts, n=args.n, sampling=sampling, seed=seed)
-        return time.perf_counter() - t, sum(len(c) for c in rollouts.completion_ids), dict(counts)
+        wall = time.perf_counter() - t
+        # The same seed and weights must sample the same tokens in every variant that keeps the kernels
+        # (async scheduling on/off, dict logprobs): compare these across variants.
+        digests.setdefault("samples_digest", hashlib.sha256(json.dumps(rollouts.completion_ids).encode()).hexdigest())
+        digests.setdefault("logprobs_digest", hashlib.sha256(json.dumps(rollouts.logprobs).encode()).hexdigest())
+        return wall, sum(len(c) for c in rollouts.completion_ids), dict(counts)
 
     generate()  # warm-up
     runs = [generate() for _ in range(args.repeats)]
@@ -164,6 +174,7 @@ def worker(variant: str, args) -> dict:
         "host_blocked_s": blocked,
         "host_ms_per_iteration": 1e3 * (wall - blocked) / iterations,
         "top_gpu_kernels": [(e.key[:80], round(e.self_device_time_total / 1e3, 1)) for e in top],
+        **digests,
         "one_weight_change_changes_samples": before.completion_ids != after.completion_ids,
         "one_weight_change_changes_logprobs": before.logprobs != after.logprobs,
     }
