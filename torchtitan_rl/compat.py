@@ -91,7 +91,7 @@ def build_llm_engine(
     # colocated) would take them and no longer match its peers': put them back.
     nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     try:
-        with _private_world():
+        with _private_world(), _cpu_keeps_async_scheduling(device == "cpu" and kwargs.get("async_scheduling")):
             engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         _remember_world()
         return engine
@@ -99,6 +99,37 @@ def build_llm_engine(
         for k in [k for k in os.environ if k.startswith("NCCL_") and k not in nccl_env]:
             del os.environ[k]
         os.environ.update(nccl_env)
+
+
+@contextlib.contextmanager
+def _cpu_keeps_async_scheduling(keep: bool):
+    """vLLM's CPU platform turns async scheduling off for every engine (platforms/cpu.py, "not required on
+    CPU": no device to overlap with); while ``keep``, an engine built here keeps it on, so CPU tests run the
+    engine-core path (step_with_batch_queue) that a GPU engine runs."""
+    if not keep:
+        yield
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    real = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        real.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = real
+
+
+def batches_in_flight(engine) -> bool:
+    """Whether an in-process ``LLMEngine``'s core still holds a scheduled batch whose output it has not
+    collected: with async scheduling, a batch scheduled for requests that then finished (a stop token, or
+    the step that reached max_tokens) stays queued until the next engine step (EngineCore.batch_queue,
+    vLLM 0.26 and 0.32)."""
+    return bool(engine.engine_core.engine_core.batch_queue)
 
 
 # vLLM's process-global groups (parallel_state's module globals).
@@ -173,6 +204,14 @@ def _private_world():
         yield
     finally:
         dist.get_world_size, dist.get_rank, dist.new_group = real_world_size, real_rank, real_new_group
+
+
+def compilable(model_cls: type, *, enable_if) -> type:
+    """A subclass of ``model_cls`` that vLLM torch.compiles (its ``support_torch_compile``, the decorator of
+    its own models) when ``enable_if(vllm_config)``; otherwise it runs ``model_cls``'s forward as is."""
+    from vllm.compilation.decorators import support_torch_compile
+
+    return support_torch_compile(enable_if=enable_if)(type(model_cls.__name__, (model_cls,), {}))
 
 
 def vllm_on_cpu() -> bool:

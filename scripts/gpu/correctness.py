@@ -57,10 +57,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (tiny config)")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()  # the rest: --section.field value overrides (--generator.compile true)
 
     workdir = Path(tempfile.mkdtemp(prefix="correctness_"))
-    cfg = parse_args(["--config", args.config, "--job.output_dir", str(workdir)])
+    cfg = parse_args(["--config", args.config, "--job.output_dir", str(workdir), *overrides])
     task = build_task(cfg.grpo.task)
     shape = resolve_shape(
         flavor=cfg.model.flavor, hf_checkpoint=None,
@@ -68,7 +68,8 @@ def main() -> None:
         max_seq_len=cfg.model.max_seq_len,
     )
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    res: dict = {"flavor": cfg.model.flavor, "enforce_eager": cfg.generator.enforce_eager}
+    res: dict = {"flavor": cfg.model.flavor, "enforce_eager": cfg.generator.enforce_eager,
+                 "compile": cfg.generator.compile, "async_scheduling": cfg.generator.async_scheduling}
 
     t = time.perf_counter()
     trainer = Trainer(
@@ -142,7 +143,7 @@ def main() -> None:
                  f"{stale['mean_abs_dlogprob']:.2e}", ""])
     body = (
         f"Qwen3-{cfg.model.flavor} shape, random weights; Trainer (FSDP2, fp32 masters, bf16 compute, SDPA) "
-        f"-> Generator (torchtitan Qwen3 in vLLM, enforce_eager={cfg.generator.enforce_eager}) by the "
+        f"-> Generator (torchtitan Qwen3 in vLLM, enforce_eager={cfg.generator.enforce_eager}, compile={cfg.generator.compile}) by the "
         f"in-place sync (verify=full); {args.prompts} digits prompts x {args.n} samples, T=1, up to "
         f"{args.max_tokens} tokens. |generator logprob - trainer logprob| over the sampled tokens:\n\n"
         + table(["weights", "tokens", "max", "p99", "mean", "mean logprob"], rows)
@@ -152,7 +153,9 @@ def main() -> None:
         f"{res['v1_repeat_identical']}. Generator build {res['generator_build_s']:.1f} s, plan "
         f"{res['plan_build_s'] * 1e3:.0f} ms, first sync {res['first_sync_s'] * 1e3:.1f} ms.\n"
     )
-    write_section(f"GPU correctness: generator vs trainer logprobs ({device.type})", device=device.type, body=body)
+    variant = ", generator.compile" if cfg.generator.compile else ""
+    write_section(f"GPU correctness: generator vs trainer logprobs ({device.type}{variant})", device=device.type,
+                  body=body)
     if not res["ok"]:
         raise SystemExit("correctness check FAILED")
 

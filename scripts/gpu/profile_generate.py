@@ -1,14 +1,30 @@
-"""What bounds one GRPO generate: decode iterations, host vs GPU time per iteration, a few engine settings.
+"""Where one GRPO generate's time goes, per engine variant: GPU busy fraction, engine steps per token, host
+ms per iteration.
 
-The loop's own batch (run_configs/qwen3_0.6b.toml: 64 prompts x 8 samples -> up to 256 tokens, T=1, the
-sampled token's logprob) through our Generator on random Qwen3 weights, timed per engine.step; one
-generate under torch.profiler splits each iteration into GPU kernel time and the rest (host: scheduling,
-sampling bookkeeping, output processing). Each setting runs in its own process (its own engine).
+The loop's own batch (run_configs/qwen3_0.6b.toml: 64 prompts x 8 samples = 512 sequences, up to 256
+tokens, T=1, the sampled token's logprob) through our Generator on random Qwen3-0.6B weights. Each variant
+runs in its own process (its own engine): a warm-up generate, ``--repeats`` timed ones (tokens/s, engine
+steps and model iterations counted, nothing synchronised), one under torch.profiler (kernel intervals ->
+GPU busy time; time the host thread spent blocked in CUDA synchronisations -> host busy time), then the
+in-place promise: one weight changed through the sync, and the same seeded prompts must sample other
+tokens. JSON per variant is written as soon as it is done, so a call that runs out of time keeps what ran.
 
-    python3 scripts/gpu/profile_generate.py [--settings base seqs256 eager] [--json out.json]
+    python3 scripts/gpu/profile_generate.py [--variants base no_async compile dict_logprobs] [--out DIR]
+
+Definitions (per generate, ``iterations`` = model executions with scheduled tokens):
+- gpu_busy_fraction: union of kernel intervals / wall, under the profiler; gpu_busy_fraction_unprofiled
+  is that kernel time over an unprofiled generate's wall (the profiler slows the host, not the GPU).
+- host_ms_per_iteration: (profiled wall - host time blocked in cuda*Synchronize) / iterations: the engine
+  thread's own work (scheduling, input preparation, launches, output processing), profiler overhead included;
+  gpu_idle_ms_per_iteration_unprofiled: (unprofiled wall - GPU busy) / iterations, what the host costs the GPU.
+- samples_digest / logprobs_digest: sha256 of the seeded generate's tokens / logprobs; variants that keep
+  the kernels (base, no_async, dict_logprobs) must agree (compile changes the arithmetic).
+- engine_steps_per_token: LLMEngine.step calls / max_tokens (every sample runs to max_tokens: random
+  weights, no eos id); iterations_per_token likewise.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -19,109 +35,193 @@ import tempfile
 import time
 from pathlib import Path
 
-SETTINGS = {
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from profile_host import dict_logprobs  # noqa: E402
+
+VARIANTS = {
     "base": {},
+    "no_async": {"async_scheduling": False},
+    "compile": {"compile": True},
+    "compile_no_async": {"compile": True, "async_scheduling": False},
+    "dict_logprobs": {},
     "seqs256": {"max_num_seqs": 256},
     "eager": {"enforce_eager": True},
 }
-"""GeneratorConfig overrides per setting (base: the loop's config)."""
+"""GeneratorConfig overrides per variant (base: the loop's config). dict_logprobs: base with vLLM's
+per-token logprob dicts (flat_logprobs off), the host path before flat logprobs."""
 
 
-def worker(setting: str, args) -> dict:
+def kernel_union_s(prof) -> tuple[float, float]:
+    """(union of CUDA kernel/memcpy intervals, sum of their durations), seconds."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    union, total, end = 0.0, 0.0, float("-inf")
+    for a, b in spans:
+        total += b - a
+        if a > end:
+            union += b - a
+            end = b
+        elif b > end:
+            union += b - end
+            end = b
+    return union / 1e6, total / 1e6
+
+
+def worker(variant: str, args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
+    from torchtitan_rl.engine import generator as generator_module
     from torchtitan_rl.engine.generator import Generator
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
     from torchtitan_rl.weight_sync.sync import WeightSync
 
-    shape = resolve_shape(flavor="0.6B", hf_checkpoint=None, vocab_size=0, max_seq_len=1024)
-    titan = build_titan_model(shape, seed=0, device="cuda")
-    config = GeneratorConfig(max_model_len=1024, max_num_seqs=512, enforce_eager=False, gpu_memory_utilization=0.5)
-    for key, value in SETTINGS[setting].items():
+    cuda = args.device == "cuda"
+    max_len = 1024 if cuda else args.prompt_len + args.max_tokens
+    shape = resolve_shape(flavor=args.flavor, hf_checkpoint=None, vocab_size=0 if cuda else 16, max_seq_len=max_len)
+    titan = build_titan_model(shape, seed=0, device=args.device)
+    config = GeneratorConfig(max_model_len=max_len, max_num_seqs=args.prompts * args.n, enforce_eager=False,
+                             gpu_memory_utilization=0.5, kv_cache_memory_gb=1.0)
+    for key, value in VARIANTS[variant].items():
         setattr(config, key, value)
-    gen = Generator(config, model_config=ModelConfig(flavor="0.6B"), shape=shape, seed=0, device="cuda",
+    config.check("generator")
+    t = time.perf_counter()
+    gen = Generator(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device=args.device,
                     workdir=Path(tempfile.mkdtemp(prefix="prof_gen_")))
+    build_s = time.perf_counter() - t
     state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}
-    WeightSync(WeightSyncConfig(), reference=state, generator=gen).sync(state, version=1)
-    del titan, state
-    torch.cuda.empty_cache()
+    ws = WeightSync(WeightSyncConfig(), reference=state, generator=gen)
+    ws.sync(state, version=1)
+    if variant == "dict_logprobs":
+        dict_logprobs(generator_module, gen.engine)
     rng = random.Random(0)
     prompts = [[rng.randrange(shape.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     sampling = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens)
 
-    iteration_s: list[float] = []  # wall time of each engine.step (one decode iteration, or a prefill)
+    counts = {"engine_steps": 0, "iterations": 0}
     real_step = gen.engine.step
+    core = gen.engine.engine_core.engine_core
+    real_execute = core.model_executor.execute_model
 
-    def timed_step():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = real_step()
-        torch.cuda.synchronize()
-        iteration_s.append(time.perf_counter() - t)
-        return out
+    def counting_step():
+        counts["engine_steps"] += 1
+        return real_step()
 
-    def generate() -> tuple[float, int]:
+    def counting_execute(scheduler_output, *a, **kw):
+        counts["iterations"] += scheduler_output.total_num_scheduled_tokens > 0
+        return real_execute(scheduler_output, *a, **kw)
+
+    gen.engine.step, core.model_executor.execute_model = counting_step, counting_execute
+
+    digests = {}
+
+    def generate(seed: int = 1) -> tuple[float, int, dict]:
+        counts.update(engine_steps=0, iterations=0)
         t = time.perf_counter()
-        rollouts = gen.generate(prompts, n=args.n, sampling=sampling, seed=1)
-        return time.perf_counter() - t, sum(len(c) for c in rollouts.completion_ids)
+        rollouts = gen.generate(prompts, n=args.n, sampling=sampling, seed=seed)
+        wall = time.perf_counter() - t
+        # The same seed and weights must sample the same tokens in every variant that keeps the kernels
+        # (async scheduling on/off, dict logprobs): compare these across variants.
+        digests.setdefault("samples_digest", hashlib.sha256(json.dumps(rollouts.completion_ids).encode()).hexdigest())
+        digests.setdefault("logprobs_digest", hashlib.sha256(json.dumps(rollouts.logprobs).encode()).hexdigest())
+        return wall, sum(len(c) for c in rollouts.completion_ids), dict(counts)
 
     generate()  # warm-up
     runs = [generate() for _ in range(args.repeats)]
-    gen.engine.step = timed_step
-    generate()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall, tokens = generate()
-    gen.engine.step = real_step
-    gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
-    top = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        wall, tokens, prof_counts = generate()
+    union_s, kernel_sum_s = kernel_union_s(prof)
+    averages = prof.key_averages()
+    blocked = sum(e.cpu_time_total for e in averages if "Synchronize" in e.key) / 1e6
+    top = sorted((e for e in averages if e.self_device_time_total > 0),
+                 key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    iterations = prof_counts["iterations"]
+    gen_s = statistics.median(r[0] for r in runs)
+
+    # The in-place promise with this variant's graphs (and compile): one weight changed through the sync.
+    few = prompts[:4]
+    before = gen.generate(few, n=2, sampling=SamplingConfig(temperature=1.0, max_tokens=32), seed=5)
+    with torch.no_grad():
+        w = titan.layers["0"].feed_forward.w1.weight
+        w.copy_(torch.randn_like(w) * w.std() * 3)
+    ws.sync({**dict(titan.named_parameters()), **dict(titan.named_buffers())}, version=2)
+    after = gen.generate(few, n=2, sampling=SamplingConfig(temperature=1.0, max_tokens=32), seed=5)
+
     return {
-        "setting": setting, "overrides": SETTINGS[setting],
+        "variant": variant, "overrides": VARIANTS[variant],
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "async_scheduling": gen.engine.vllm_config.scheduler_config.async_scheduling,
+        "compiled": not getattr(gen.model, "do_not_compile", True),
+        "engine_build_s": build_s,
         "generate_s": [r[0] for r in runs], "tokens": runs[0][1],
-        "tokens_per_s": statistics.median(n / t for t, n in runs),
-        "decode_iterations": len(iteration_s),
-        "iterations_per_s": len(iteration_s) / sum(iteration_s),
-        "iteration_ms_median": 1e3 * statistics.median(iteration_s),
-        "iteration_ms_first": 1e3 * iteration_s[0],
+        "tokens_per_s": statistics.median(r[1] / r[0] for r in runs),
+        "engine_steps": runs[0][2]["engine_steps"], "iterations": runs[0][2]["iterations"],
+        "engine_steps_per_token": runs[0][2]["engine_steps"] / args.max_tokens,
+        "iterations_per_token": runs[0][2]["iterations"] / args.max_tokens,
+        "ms_per_iteration_unprofiled": 1e3 * gen_s / runs[0][2]["iterations"],
         "profiled_wall_s": wall,
-        "gpu_kernel_s": gpu_us / 1e6,
-        "gpu_busy_fraction": gpu_us / 1e6 / wall,
+        "gpu_busy_s": union_s, "gpu_kernel_sum_s": kernel_sum_s,
+        "gpu_busy_fraction": union_s / wall,
+        "gpu_busy_fraction_unprofiled": union_s / gen_s,
+        "gpu_ms_per_iteration": 1e3 * union_s / iterations,
+        # Unprofiled wall per iteration minus the GPU's: the GPU idle, waiting for the host.
+        "gpu_idle_ms_per_iteration_unprofiled": 1e3 * (gen_s - union_s) / runs[0][2]["iterations"],
+        "host_blocked_s": blocked,
+        "host_ms_per_iteration": 1e3 * (wall - blocked) / iterations,
         "top_gpu_kernels": [(e.key[:80], round(e.self_device_time_total / 1e3, 1)) for e in top],
+        **digests,
+        "one_weight_change_changes_samples": before.completion_ids != after.completion_ids,
+        "one_weight_change_changes_logprobs": before.logprobs != after.logprobs,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", nargs="+", default=["base", "seqs256"], choices=list(SETTINGS))
+    parser.add_argument("--variants", nargs="+", default=["base", "no_async", "compile", "dict_logprobs"],
+                        choices=list(VARIANTS))
+    parser.add_argument("--flavor", default="0.6B")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (--flavor tiny)")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="profile_generate.json goes here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         Path(args.worker_out).write_text(json.dumps(worker(args.worker, args)))
         os._exit(0)  # skip vLLM's in-process engine teardown
+    out = Path(args.out) / "profile_generate.json"
     results = []
+    passthrough = ["--flavor", args.flavor, "--device", args.device, "--prompts", str(args.prompts), "--n", str(args.n),
+                   "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
+                   "--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory() as tmp:
-        for setting in args.settings:
-            out = Path(tmp) / f"{setting}.json"
-            passthrough = ["--prompts", str(args.prompts), "--n", str(args.n), "--prompt-len", str(args.prompt_len),
-                           "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats)]
-            proc = subprocess.run([sys.executable, __file__, *passthrough, "--worker", setting,
-                                   "--worker-out", str(out)])
+        for variant in args.variants:
+            worker_out = Path(tmp) / f"{variant}.json"
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, *passthrough, "--worker", variant,
+                                   "--worker-out", str(worker_out)])
             if proc.returncode == 0:
-                results.append(json.loads(out.read_text()))
-                print(json.dumps(results[-1], indent=1), flush=True)
+                results.append({**json.loads(worker_out.read_text()), "process_s": time.perf_counter() - t})
+                r = results[-1]
+                print(f"[profile_generate] {variant}: {r['tokens_per_s']:.0f} tokens/s, GPU busy "
+                      f"{r['gpu_busy_fraction_unprofiled']:.0%} (profiled {r['gpu_busy_fraction']:.0%}), "
+                      f"{r['engine_steps_per_token']:.2f} engine steps/token, host {r['host_ms_per_iteration']:.1f} "
+                      f"ms/iteration, GPU {r['gpu_ms_per_iteration']:.1f} ms/iteration, "
+                      f"one-weight change seen: {r['one_weight_change_changes_logprobs']}", flush=True)
             else:
-                print(f"[profile_generate] {setting}: exit {proc.returncode}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+                results.append({"variant": variant, "exit": proc.returncode})
+                print(f"[profile_generate] {variant}: exit {proc.returncode}", flush=True)
+            out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@
 #   drift        scripts/gpu/gen_drift.py: the loop's own command (simple_grpo main, the config's checkpoints)
 #                for DRIFT_STEPS (default 22) steps with per-step generation diagnostics; DRIFT_ARGS for overrides
 #   generation   scripts/bench_generation.py                  (GEN_MODES, default "graphs eager")
+#   profile      scripts/gpu/profile_generate.py: GPU busy, engine steps/token, host ms/iteration per engine variant
+#                at 512 sequences x 256 tokens (PROFILE_VARIANTS, default "base no_async compile dict_logprobs")
+#   mission      scripts/gpu/mission_step.py: the mission command for MISSION_STEPS (14) steps, median step from its
+#                metrics.jsonl (MISSION_NAME names the result files; MISSION_ARGS: overrides, e.g.
+#                "--generator.compile true")
 #   startup      scripts/bench_startup.py
 #   bitwise      scripts/check_bitwise_identity.py on run_configs/qwen3_0.6b.toml (BITWISE_BATCHES, default "1 7 64")
 #   bi_cost      scripts/bench_batch_invariant.py on run_configs/qwen3_0.6b.toml (BI_PROMPTS, default 16 prompts
@@ -55,6 +60,9 @@ for name in "$@"; do
                    --json "$OUT/trainer.json" ;;
     drift)       python3 scripts/gpu/gen_drift.py --steps "${DRIFT_STEPS:-22}" --out "$OUT/drift.json" ${DRIFT_ARGS:-} ;;
     generation)  python3 scripts/bench_generation.py --modes ${GEN_MODES:-graphs eager} --json "$OUT/generation.json" ;;
+    profile)     python3 scripts/gpu/profile_generate.py --out "$OUT" ${PROFILE_VARIANTS:+--variants $PROFILE_VARIANTS} ;;
+    mission)     python3 scripts/gpu/mission_step.py --name "${MISSION_NAME:-base}" --steps "${MISSION_STEPS:-14}" \
+                   --out "$OUT" -- ${MISSION_ARGS:-} ;;
     startup)     python3 scripts/bench_startup.py --json "$OUT/startup.json" ;;
     bitwise)     python3 scripts/check_bitwise_identity.py --config "${BITWISE_CONFIG:-run_configs/qwen3_0.6b.toml}" \
                    --batch-sizes ${BITWISE_BATCHES:-1 7 64} --write-benchmarks ;;

@@ -237,6 +237,10 @@ class GeneratorConfig:
     """Most sequences vLLM schedules at once."""
     enforce_eager: bool = True
     """Run eagerly; false lets vLLM capture CUDA graphs on GPU."""
+    compile: bool = False
+    """vLLM torch.compiles the generator's model (its VLLM_COMPILE mode: inductor fuses RMSNorm, QK-norm, RoPE, SiLU-mul; piecewise CUDA graphs for prefills, full ones for decodes); needs enforce_eager false; ignored in batch_invariant_mode and with unmerged LoRA adapters. The sync still writes the tensors the compiled graphs read."""
+    async_scheduling: bool = True
+    """vLLM schedules iteration i+1 while the device runs iteration i (vLLM 0.26's own default for this engine on GPU; vLLM's CPU backend turns it off, we keep it on when asked so CPU runs take the same path). Samples are the same with it on or off (seeded); every generate ends with no iteration in flight."""
     load_format: Literal["dummy", "auto"] = "dummy"
     """dummy: random start, serve only after the first sync; auto: load model.hf_checkpoint."""
     wait_for_weights_s: float = 0.0
@@ -254,6 +258,8 @@ class GeneratorConfig:
         at_least(self, path, 0, "wait_for_weights_s")
         in_range(self, path, "gpu_memory_utilization", 0, 1, "(0, 1]")
         positive_float(self, path, "kv_cache_memory_gb")
+        if self.compile and self.enforce_eager:
+            raise ValueError(f"{path}.compile: needs {path}.enforce_eager false (vLLM compiles nothing in eager mode)")
         self.sampling.check(f"{path}.sampling")
 
 

@@ -18,7 +18,7 @@ import torch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, LORA_KEY, TITAN_ARCH, register
+from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 from torchtitan_rl.rollout.base import Done, Rollouts
 
 
@@ -70,8 +70,8 @@ def _unmerged_lora(lora: LoRAConfig) -> dict | None:
 def _cycle_collector_paused():
     """Python's cycle collector off for a generate, back on (if it was) after.
 
-    vLLM keeps a Logprob object per sampled token until its request ends, and the
-    collector's full passes over them cost a sizeable part of a generate
+    vLLM kept a Logprob object per sampled token until its request ended (flat_logprobs
+    now keeps lists), and the collector's full passes over them cost a sizeable part of a generate
     (docs/design.md, "Why the code looks this way"). Refcounting still frees everything
     acyclic at once; cycles made meanwhile wait for the next collection.
     """
@@ -105,6 +105,8 @@ def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed
         top_k=s.top_k if s.top_k > 0 else 0,
         max_tokens=s.max_tokens,
         logprobs=logprobs,
+        # Each request's logprobs as a few flat lists, not a dict and a Logprob object per token.
+        flat_logprobs=True,
         stop_token_ids=stop_token_ids,
         stop=stop,
         seed=seed,
@@ -156,11 +158,13 @@ class Generator:
                 "architectures": [TITAN_ARCH],
                 BATCH_INVARIANT_KEY: batch_invariant,
                 LORA_KEY: _unmerged_lora(model_config.lora),
+                COMPILE_KEY: config.compile and not batch_invariant and _unmerged_lora(model_config.lora) is None,
             },
             dtype=model_config.dtype,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             enforce_eager=config.enforce_eager,
+            async_scheduling=config.async_scheduling,
             tensor_parallel_size=config.parallelism.tensor_parallel_degree,
             seed=seed,
             device=device,
@@ -321,7 +325,9 @@ class Generator:
                 requests.append((rid, prompt))
         finished = {}
         with _cycle_collector_paused():
-            while self.engine.has_unfinished_requests():
+            # Also collects a batch still in flight once every request finished (async scheduling): the
+            # engine is idle when generate returns, so a sync never writes under a running iteration.
+            while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out.outputs[0]
@@ -336,7 +342,9 @@ class Generator:
             ids = list(c.token_ids)
             prompt_ids.append(list(prompt))
             completions.append(ids)
-            logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
+            # logprobs=0: one entry per position, the sampled token's (FlatLogprobs, flat_logprobs=True).
+            assert c.logprobs.token_ids == ids, "expected the sampled token's logprob only"
+            logprobs.append(c.logprobs.logprobs)
         return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
 
     # The loop's interface (rollout/base.py), so that a one-process caller can use a Generator directly.

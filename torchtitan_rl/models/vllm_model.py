@@ -28,6 +28,9 @@ TITAN_ARCH = "TorchTitanForCausalLM"
 LORA_KEY = "torchtitan_rl_lora"
 """hf_overrides key: LoRAConfig fields when the generator applies adapters unmerged."""
 
+COMPILE_KEY = "torchtitan_rl_compile"
+"""hf_overrides key: true lets vLLM torch.compile the model (generator.compile)."""
+
 BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
 """hf_overrides key: true switches the generator's model to the batch-invariant
 kernels (models/batch_invariant.py, on CUDA with models/paged_attention.py),
@@ -332,9 +335,14 @@ def sync_targets(model: nn.Module, shape: ModelShape) -> dict[str, Destination]:
     return targets
 
 
+def _compile_requested(vllm_config) -> bool:
+    return bool(getattr(vllm_config.model_config.hf_config, COMPILE_KEY, False))
+
+
 def register() -> None:
-    """Make ``TITAN_ARCH`` known to vLLM's model registry (idempotent)."""
+    """Make ``TITAN_ARCH`` known to vLLM's model registry (idempotent); vLLM compiles it only when the
+    config's ``COMPILE_KEY`` says so."""
     from vllm import ModelRegistry
 
     if TITAN_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(TITAN_ARCH, TorchTitanForCausalLM)
+        ModelRegistry.register_model(TITAN_ARCH, compat.compilable(TorchTitanForCausalLM, enable_if=_compile_requested))

@@ -38,6 +38,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from torchtitan_rl import compat
 from torchtitan_rl.engine.generator import Generator, WeightsNotSyncedError
 
 
@@ -226,6 +227,7 @@ class EngineLoop:
             if aborts:
                 # Freed in the engine before a waiting sync hears of it: it must find no KV block held.
                 engine.abort_request(aborts)
+                _drain(engine)
                 with self._cond:
                     aborted = [self._running.pop(rid) for rid in aborts]
                     self._counts["aborted"] += len(aborted)
@@ -248,6 +250,7 @@ class EngineLoop:
             for out in outputs:
                 if out.finished:
                     done.append((out.request_id, out.outputs[0]))
+            _drain(engine)
             with self._cond:
                 jobs = [(self._running.pop(rid), c) for rid, c in done]
                 self._cond.notify_all()  # a sync may be waiting for the batch to drain
@@ -264,6 +267,13 @@ class EngineLoop:
             jobs = {rid: self._running.pop(rid) for rid in rids}
             self._cond.notify_all()
         _fail([], list(jobs.values()), RuntimeError(f"generator: the engine failed: {type(error).__name__}: {error}"))
+
+
+def _drain(engine) -> None:
+    """Once no request is left, collect the iteration still in flight (async scheduling), before a waiting
+    sync hears that the batch drained: no iteration runs while it writes."""
+    while not engine.has_unfinished_requests() and compat.batches_in_flight(engine):
+        engine.step()
 
 
 def _fail(queued: list[_Job], running: list[_Job], error: Exception) -> None:
