@@ -13,7 +13,8 @@
 # "--trainer.master_dtype bfloat16 --trainer.micro_batch_tokens 32768"), SIZES_BUDGET_S (the call's time, 570: a row
 # gets what is left, and none under 90 s),
 # SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85).
-# SIZES_CONFIG (run_configs/qwen3_0.6b.toml).
+# SIZES_CONFIG (run_configs/qwen3_0.6b.toml). SIZES_GPUS ("0,1": the GPUs a row uses; layout a the first) and
+# SIZES_PORT (29561) let two of these share a machine of four GPUs.
 # After the stash call of docs/gpu.md, each call under 10 minutes:
 #   run(kind="nvidia-h100-x2", carry=[".gpu/b"], command="source .gpu/b/install.sh && SIZES_ROWS='4B:a:weights 4B:b:weights' bash scripts/gpu/sizes.sh")
 # Writes $OUT/sizes.jsonl (one JSON line per row, appended), $OUT/sizes_<row>.log (the tail of a failed row's log)
@@ -23,6 +24,8 @@ source "$(dirname "$0")/multi_gpu_env.sh"
 STEPS=${SIZES_STEPS:-6}
 ROWS=${SIZES_ROWS:-"1.7B:a:off 1.7B:a:weights 4B:a:off 4B:a:weights 8B:a:weights 1.7B:b:off 4B:b:off 4B:b:weights 8B:b:off 8B:b:weights 4B:c:off 8B:c:off"}
 work=$(mktemp -d /tmp/sizes.XXXXXX)
+gpus=${SIZES_GPUS:-0,1}  # two GPU indices; layout a takes the first (two sizes.sh may share a machine)
+port=${SIZES_PORT:-29561}
 began=$(date +%s)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
@@ -31,12 +34,12 @@ for row in $ROWS; do
   IFS=: read -r flavor layout sleep <<< "$row"
   name=${row//:/_}
   args=(--generator.sleep "$sleep")
-  trainer_gpus=1
+  trainer_gpus=1; used=$gpus
   case $layout in
-    a) launch=(env CUDA_VISIBLE_DEVICES=0 python3) ;;
-    b) launch=(python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29561)
+    a) launch=(env CUDA_VISIBLE_DEVICES="${gpus%%,*}" python3); used=${gpus%%,*} ;;
+    b) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torch.distributed.run --nproc-per-node 2 --master-port "$port")
        args+=(--generator.colocated_ranks all); trainer_gpus=2 ;;
-    c) launch=(python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29561)
+    c) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torch.distributed.run --nproc-per-node 2 --master-port "$port")
        args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization "${SIZES_GPU_UTIL_C:-0.85}") ;;
     *) echo "unknown layout $layout in $row"; exit 2 ;;
   esac
@@ -57,7 +60,7 @@ for row in $ROWS; do
   tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | grep -E "torchtitan_rl:|Error" | tail -n 6
   [ $rc = 0 ] || tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | tail -n 120 > "$OUT/sizes_$name.log"
   python3 scripts/gpu/sizes_row.py --output-dir "$work/$name" --log "$work/$name.log" --mem "$work/$name.mem" \
-    --row "$row" --exit-code "$rc" --first 2 --last $(( STEPS - 1 )) --trainer-gpus "$trainer_gpus" \
+    --row "$row" --exit-code "$rc" --first 2 --last $(( STEPS - 1 )) --trainer-gpus "$trainer_gpus" --gpus "$used" \
     --args "${args[*]} ${extra[*]} gpu=$gpu wall_s=$(( $(date +%s) - start ))" >> "$OUT/sizes.jsonl"
   tail -n 1 "$OUT/sizes.jsonl"
 done

@@ -15,30 +15,9 @@ import json
 import statistics
 from pathlib import Path
 
+from summarize_run import metrics_file, peak_memory_mib, step_records  # scripts/gpu/, beside this file
+
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s")
-
-
-def read_metrics(output_dir: Path) -> list[dict]:
-    """The step records of the newest run under ``output_dir`` (its ``latest`` link)."""
-    path = output_dir / "latest" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if "step_s" in r]
-
-
-def peak_memory(mem: Path) -> dict[int, int]:
-    """Peak used MiB per GPU index from nvidia-smi's 'index, memory.used' samples."""
-    peak: dict[int, int] = {}
-    if not mem.exists():
-        return peak
-    for line in mem.read_text().splitlines():
-        try:
-            gpu, used = (int(x) for x in line.split(","))
-        except ValueError:
-            continue
-        peak[gpu] = max(peak.get(gpu, 0), used)
-    return peak
 
 
 def log_lines(log: Path) -> tuple[str | None, str | None]:
@@ -67,16 +46,16 @@ def matmul_params(flavor: str, vocab_size: int = 0) -> int:
 
 def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: int, first: int, last: int,
               trainer_gpus: int, peak_tflops: float, args: str = "", prompt_tokens: float | None = None,
-              vocab_size: int = 0) -> dict:
+              vocab_size: int = 0, gpus: list[int] = (0, 1)) -> dict:
     flavor, layout, sleep = row.split(":")
-    records = read_metrics(output_dir)
+    records = step_records(metrics_file(output_dir))
     kept = [r for r in records if first <= r["step"] <= last] or records
     estimate, error = log_lines(log)
     out = {
         "row": row, "flavor": flavor, "layout": layout, "sleep": sleep, "args": args, "exit_code": exit_code,
         "fits": exit_code == 0 and bool(records), "refusal": error if exit_code else None, "estimate": estimate,
         "steps_logged": len(records), "median_steps": [first, last],
-        "peak_gpu_mem_mib": peak_memory(mem),
+        "peak_gpu_mem_mib": peak_memory_mib(mem, gpus),
         "median": {k: statistics.median(r[k] for r in kept) for k in KEYS if kept and k in kept[0]},
         "trainer_mfu": None,
     }
@@ -107,11 +86,13 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=989.4, help="dense bf16 of one GPU (H100/H200 SXM)")
     p.add_argument("--prompt-tokens", type=float, default=None, help="prompt tokens per step, added to the count")
     p.add_argument("--args", default="")
+    p.add_argument("--gpus", default="0,1", help="the GPU indices the run used (their peaks only)")
     p.add_argument("--vocab-size", type=int, default=0, help="for flavors without one (tiny: the task's)")
     a = p.parse_args()
     print(json.dumps(summarize(output_dir=a.output_dir, log=a.log, mem=a.mem, row=a.row, exit_code=a.exit_code,
                                first=a.first, last=a.last, trainer_gpus=a.trainer_gpus, peak_tflops=a.peak_tflops,
-                               args=a.args, prompt_tokens=a.prompt_tokens, vocab_size=a.vocab_size)))
+                               args=a.args, prompt_tokens=a.prompt_tokens, vocab_size=a.vocab_size,
+                               gpus=[int(g) for g in a.gpus.split(",")])))
 
 
 if __name__ == "__main__":
