@@ -143,3 +143,36 @@ def test_the_same_command_twice_keeps_both_runs_and_resume_continues_the_newest(
     os.umask(umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
     assert modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def _finished_run(run: Path, cfg: JobConfig) -> None:
+    """A run folder as a run of ``cfg`` leaves it at its end: config.toml and its final checkpoint (tiny trainer)."""
+    import torch
+
+    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.trainer import Trainer
+
+    trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=run_shape(cfg, run_task(cfg)), seed=0,
+                      device=torch.device("cpu"), output_dir=run)
+    write_toml(cfg, run / "config.toml")
+    trainer.save_checkpoint(cfg.trainer.steps, files={"config.toml": (run / "config.toml").read_text()})
+    publish(run)
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_extending_a_finished_async_run_says_its_new_steps_draw_other_rollouts(tmp_path, capsys, staleness):
+    """An asynchronous run requests no rollouts past its last step; --resume with more steps draws them with
+    newer weights than a longer run straight through would have: the resume line says so (sync runs: nothing)."""
+    cfg = _config(tmp_path, steps=4)
+    cfg.grpo.max_staleness = staleness
+    (tmp_path / "run-1").mkdir(parents=True)
+    _finished_run(tmp_path / "run-1", cfg)
+    capsys.readouterr()
+    cfg.trainer.steps, cfg.resume = 10, True
+    plan_run(cfg)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith(f"torchtitan_rl: resuming {tmp_path / 'run-1'} from step-4"), line
+    if staleness:
+        assert "never drew the rollouts of steps 4..5" in line and "differ from a 10-step run straight through" in line
+    else:
+        assert line == f"torchtitan_rl: resuming {tmp_path / 'run-1'} from step-4"

@@ -110,8 +110,9 @@ def _point_latest(run: Path) -> None:
 
 def _resume(cfg: JobConfig, run: Path, step: int, path: Path, *, say) -> RunPlan:
     saved_config = path / "config.toml" if (path / "config.toml").is_file() else run / "config.toml"
-    if saved_config.is_file():
-        check_changes(load_toml(saved_config), cfg, since=f"step-{step}", say=say)
+    saved = load_toml(saved_config) if saved_config.is_file() else None
+    if saved is not None:
+        check_changes(saved, cfg, since=f"step-{step}", say=say)
     for moved in checkpoint.set_aside_newer(path.parent, step):
         say(f"torchtitan_rl: {moved.name}: set aside (steps after {step} are trained again)")
     if cfg.job.export and cfg.job.export_dir is None and (run / "hf").exists():  # the run ends again: a new export
@@ -121,8 +122,22 @@ def _resume(cfg: JobConfig, run: Path, step: int, path: Path, *, say) -> RunPlan
         say(f"torchtitan_rl: {run / 'hf'}: set aside as {aside.name} (the resumed run exports again)")
     if (run.parent / LATEST).is_symlink() and run.parent.joinpath(LATEST).resolve() != run:
         _point_latest(run)
-    say(f"torchtitan_rl: resuming {run} from {path.name}")
+    say(f"torchtitan_rl: resuming {run} from {path.name}{_extension_note(saved, cfg, step)}")
     return RunPlan(run, path)
+
+
+def _extension_note(saved: JobConfig | None, cfg: JobConfig, step: int) -> str:
+    """What the resume line adds when more steps extend an asynchronous run that had ended: its last steps
+    requested no rollouts past its end, so the new steps' first rollouts are drawn with newer weights than
+    a run of the new length straight through would have drawn them with (rollout/queue.py)."""
+    if saved is None or saved.grpo.max_staleness == 0 or cfg.trainer.steps <= saved.trainer.steps:
+        return ""
+    first, last = saved.trainer.steps, min(step - 1 + saved.grpo.max_staleness, cfg.trainer.steps - 1)
+    if last < first:  # a checkpoint before the end: its queue holds what a straight run would have drawn
+        return ""
+    return (f"; note: the run ended at step {saved.trainer.steps} and never drew the rollouts of steps "
+            f"{first}..{last}: they are drawn now with the step-{step} weights, so from step {first} on this run's "
+            f"samples differ from a {cfg.trainer.steps}-step run straight through (same algorithm, other draws)")
 
 
 def check_changes(saved: JobConfig, cfg: JobConfig, *, since: str, say=print) -> None:
