@@ -102,11 +102,24 @@ def test_a_run_whose_engine_cannot_start_names_the_field_and_leaves_latest_on_th
     cfg = _config(tmp_path, steps=4)
     publish(plan_run(cfg).folder)
     cfg.generator.kv_cache_memory_gb = 1e-5
-    with pytest.raises(ValueError, match=r"^generator\.kv_cache_memory_gb: too little memory for the engine's KV"):
+    with pytest.raises(ValueError, match=r"^generator\.kv_cache_memory_gb: too little memory for the engine's KV") as e:
         simple_grpo.run(cfg)
     gc.collect()
     assert (tmp_path / "run-2" / "config.toml").is_file()  # the failed start's own folder, kept for its config
+    assert f"[this start left {tmp_path / 'run-2'} holding config.toml" in str(e.value)  # named in the one line
+    assert str(e.value).endswith("; --resume stays on run-1]")
     assert (tmp_path / "latest").resolve() == (tmp_path / "run-1").resolve()
+
+
+def test_a_model_folder_without_weights_is_refused_before_a_run_folder_exists(tmp_path, tiny_hf_checkpoint):
+    folder = tmp_path / "tokenizer_only"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_hf_checkpoint("qwen3") / "config.json").read_text())
+    cfg = _config(tmp_path / "out", steps=4)
+    cfg.model.hf_checkpoint, cfg.grpo.task = str(folder), "digits"
+    with pytest.raises(ValueError, match=rf"^model.hf_checkpoint: no \*.safetensors files in {folder}"):
+        simple_grpo.run(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -14,6 +14,8 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +101,25 @@ def publish(run: Path) -> None:
     """Point ``latest`` at ``run`` (rank 0; once the run's trainer and generator stand)."""
     if (run.parent / LATEST).resolve() != run.resolve():
         _point_latest(run)
+
+
+@contextmanager
+def starting(plan: RunPlan) -> Iterator[None]:
+    """The start of a new run (trainer, generator, batch builder; until ``publish``): a user error on the way
+    removes the run folder if it is still empty, else names it and what it holds in its line; ``latest`` stays
+    on the run before. What only the engine can tell (room for vLLM's KV cache) fails here, not before run-N."""
+    try:
+        yield
+    except ValueError as e:
+        if plan.checkpoint is not None or dist.is_initialized() and dist.get_rank() != 0:
+            raise
+        left = sorted(p.name for p in plan.folder.iterdir())
+        if not left:  # nothing written yet: the run leaves no folder
+            plan.folder.rmdir()
+            raise
+        latest = plan.folder.parent / LATEST
+        before = f"--resume stays on {latest.resolve().name}" if latest.is_dir() else "no run to --resume"
+        raise ValueError(f"{e} [this start left {plan.folder} holding {', '.join(left)}; {before}]") from None
 
 
 def _point_latest(run: Path) -> None:

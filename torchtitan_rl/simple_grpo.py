@@ -65,7 +65,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.metrics import MetricsLogger, StepMetrics
     from torchtitan_rl.rollout.queue import RolloutQueue
     from torchtitan_rl.rollout.remote import serve
-    from torchtitan_rl.runs import agree, publish
+    from torchtitan_rl.runs import agree, publish, starting
     from torchtitan_rl.trainer import Trainer
 
     started = time.perf_counter()
@@ -79,6 +79,10 @@ def run(cfg: JobConfig) -> list[dict]:
         from torchtitan_rl.export import check_target
 
         check_target(cfg.job.export_dir)  # before agree(): a user error leaves no new run folder behind
+    if cfg.model.hf_checkpoint is not None:
+        from torchtitan_rl.models.hf_folder import check_weights
+
+        check_weights(cfg.model.hf_checkpoint, field="model.hf_checkpoint")  # also before agree()
     if cfg.weight_sync.transport == "nccl":
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
         world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree,
@@ -106,22 +110,23 @@ def run(cfg: JobConfig) -> list[dict]:
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
                               seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
                               samples=cfg.metrics.samples_per_eval)
-    trainer = build_trainer()
-    reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
-    assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks the rows split"
-    if rank == 0:
-        write_toml(cfg, out / "config.toml")
-        print(f"torchtitan_rl: run folder {out}")
     generator = None
     try:
-        generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
-        queue = RolloutQueue(cfg, generator=generator, task=task)
-        start = 0
-        if plan.checkpoint is not None:
-            queue.load_state_dict(trainer.load_checkpoint(plan.checkpoint), step=trainer.step)
-            start = trainer.step
-        builder = BatchBuilder(cfg, task=task, trainer=trainer, reference=reference, device=device)
+        with starting(plan):  # a start that fails names the run folder it leaves
+            trainer = build_trainer()
+            reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
+            assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks rows"
+            if rank == 0:
+                write_toml(cfg, out / "config.toml")
+                print(f"torchtitan_rl: run folder {out}")
+            generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
+            queue = RolloutQueue(cfg, generator=generator, task=task)
+            start = 0
+            if plan.checkpoint is not None:
+                queue.load_state_dict(trainer.load_checkpoint(plan.checkpoint), step=trainer.step)
+                start = trainer.step
+            builder = BatchBuilder(cfg, task=task, trainer=trainer, reference=reference, device=device)
         if rank == 0:
             publish(out)  # everything stands: --resume now continues this run
         # A resume keeps the history before its step and drops what the lost steps logged: each step once.
