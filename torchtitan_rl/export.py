@@ -23,10 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import LoRAConfig, load_toml
 from torchtitan_rl.config.validation import tokenizer_dir
+from torchtitan_rl.disk import refused, write_error
 from torchtitan_rl.distributed.dtensor import full
 from torchtitan_rl.folders import complete_or_absent
 from torchtitan_rl.job import run_shape, run_task
@@ -88,8 +91,20 @@ def export_hf(
     expected = _expected_hf_shapes(shape)
     assert {k: tuple(v.shape) for k, v in hf_state.items()} == expected, "exported tensors differ from the HF model's"
 
-    from safetensors.torch import save_file
+    try:
+        _write_folder(out, hf_state, shape=shape, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    except (OSError, SafetensorError) as e:
+        why = refused(e, out)
+        if why is None:
+            raise
+        raise write_error(out, why, doing="exporting", kept=f"nothing written there ({out.name}.partial removed); "
+                          "the run's checkpoints are untouched and `python -m torchtitan_rl.export` writes it again "
+                          "elsewhere") from None
+    return out
 
+
+def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir, dtype: str) -> None:
+    """The export's files, all or none (folders.complete_or_absent)."""
     with complete_or_absent(out) as tmp:
         save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = _hf_config(shape, tokenizer_dir, dtype)
@@ -104,7 +119,6 @@ def export_hf(
             if source is not None and (source / name).is_file():
                 shutil.copy(source / name, tmp)
         _readable_as_usual(tmp)
-    return out
 
 
 def _readable_as_usual(folder: Path) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig, load_toml
 from torchtitan_rl.config.job_config import SECRETS
 from torchtitan_rl.config.validation import config_diff
+from torchtitan_rl.disk import refused, write_error
 from torchtitan_rl.trainer import checkpoint
 
 LATEST = "latest"
@@ -189,8 +190,10 @@ def agree(cfg: JobConfig, *, store=None, generator: bool = False) -> RunPlan:
                 box[0] = plan_run(cfg)
             except ValueError as e:
                 box[0] = e
-            except OSError as e:  # e.g. no permission to create the run folder
-                box[0] = ValueError(f"job.output_dir: {e}")
+            except OSError as e:  # a read-only or full output folder: no run folder, nothing else touched
+                why = refused(e, Path(cfg.job.output_dir))
+                box[0] = (write_error(Path(cfg.job.output_dir), why, doing="creating the run folder",
+                                      kept="nothing written") if why else ValueError(f"job.output_dir: {e}"))
             if store is not None:
                 store.set(key, pickle.dumps(box[0]))
         dist.broadcast_object_list(box, src=0)

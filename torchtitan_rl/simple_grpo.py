@@ -14,6 +14,7 @@ from pathlib import Path
 from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict, tokenizer_dir
+from torchtitan_rl.disk import refused, write_error
 
 DRY_RUN_TOML = "dry-run.toml"
 """What --dry-run writes into job.output_dir: the resolved config."""
@@ -22,8 +23,16 @@ DRY_RUN_TOML = "dry-run.toml"
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
     if cfg.dry_run:  # not config.toml: a folder holding one is a run folder to --resume (runs.run_to_resume)
-        write_toml(cfg, Path(cfg.job.output_dir) / DRY_RUN_TOML)
-        print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / DRY_RUN_TOML}")
+        path = Path(cfg.job.output_dir) / DRY_RUN_TOML
+        with one_line_errors():
+            try:
+                write_toml(cfg, path)
+            except OSError as e:
+                if (why := refused(e, path)) is None:
+                    raise
+                raise write_error(path, why, doing="writing the resolved config", kept="the config is valid; "
+                                  "pick a --job.output_dir you can write") from None
+        print(f"torchtitan_rl: config valid; written to {path}")
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: a signal or a failure ends every rank at once
         exits = RankExits()
@@ -118,7 +127,12 @@ def run(cfg: JobConfig) -> list[dict]:
             reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
             assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks rows"
             if rank == 0:
-                write_toml(cfg, out / "config.toml")
+                try:
+                    write_toml(cfg, out / "config.toml")
+                except OSError as e:
+                    if (why := refused(e, out)) is None:
+                        raise
+                    raise write_error(out / "config.toml", why, doing="starting the run", kept="nothing trained") from None
                 print(f"torchtitan_rl: run folder {out}")
             generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
             queue = RolloutQueue(cfg, generator=generator, task=task)
