@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
-from torchtitan_rl.config.validation import effective_task, redacted_dict, tokenizer_dir
+from torchtitan_rl.config.validation import effective_task, redacted_dict
 from torchtitan_rl.disk import refused, write_error
 
 DRY_RUN_TOML = "dry-run.toml"
@@ -68,6 +68,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.config import validate
     from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.distributed.world import init_world
+    from torchtitan_rl.export import snapshot
     from torchtitan_rl.grpo.builder import BatchBuilder
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.job import run_device, run_shape, run_task
@@ -129,10 +130,11 @@ def run(cfg: JobConfig) -> list[dict]:
             if rank == 0:
                 try:
                     write_toml(cfg, out / "config.toml")
+                    snapshot(out, cfg=cfg, task=task, shape=shape)  # what the export needs, whatever moves later
                 except OSError as e:
                     if (why := refused(e, out)) is None:
                         raise
-                    raise write_error(out / "config.toml", why, doing="starting the run", kept="nothing trained") from None
+                    raise write_error(out, why, doing="writing its config.toml and export_files", kept="nothing trained") from None
                 print(f"torchtitan_rl: run folder {out}")
             generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
             queue = RolloutQueue(cfg, generator=generator, task=task)
@@ -197,7 +199,7 @@ def run(cfg: JobConfig) -> list[dict]:
 
         # Also for a resume of a finished run (start == steps): its final evaluation's line was dropped above.
         _finish(cfg, evaluator=evaluator, generator=generator,
-                trainer=trainer, logger=logger, shape=shape, export_dir=export_dir,
+                trainer=trainer, logger=logger, shape=shape, run=out, export_dir=export_dir,
                 summary=rank == 0, start=start, started=started)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
     finally:
@@ -218,16 +220,16 @@ def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
     return RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
 
-def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, export_dir, summary: bool, start: int,
-            started: float) -> None:
+def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run: Path, export_dir, summary: bool,
+            start: int, started: float) -> None:
     """After the last step: held-out accuracy of the trained weights, the export, the plot and a summary line."""
     if evaluator:
         final_evaluation(cfg, evaluator, generator, trainer, logger)
     if export_dir is not None:  # every trainer rank: sharded tensors are gathered
-        from torchtitan_rl.export import export_hf
+        from torchtitan_rl.export import SNAPSHOT, export_hf
 
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
-                  tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype)
+                  tokenizer_dir=run / SNAPSHOT, lora=cfg.model.lora, dtype=cfg.model.dtype)
     plot = logger.close()
     if summary and logger.history:
         _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
