@@ -1,5 +1,6 @@
 """What every command of this package does with a user's mistake, a signal, or a failed torchrun rank."""
 
+import json
 import os
 import signal
 import socket
@@ -18,15 +19,28 @@ _KEY = "torchtitan_rl/exit"
 @contextmanager
 def one_line_errors():
     """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2;
-    Ctrl-C with one line, exit 130."""
+    Ctrl-C (SIGINT) or SIGTERM with one line, exit 128 + the signal's number. The block's ``finally`` clauses
+    run (an engine shuts down) before the process ends."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     except ValueError as e:
         print(f"torchtitan_rl: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        print("torchtitan_rl: interrupted (SIGINT)", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        print(f"torchtitan_rl: interrupted ({signum.name})", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 class RankExits:
@@ -137,6 +151,12 @@ class RankExits:
                 pass
         if first == line:
             print(line, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
+            try:
+                Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+            except OSError:
+                pass
         sys.stdout.flush()
         os._exit(code)
 
