@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -65,6 +66,17 @@ def _our_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("torchtitan_rl:") or "Traceback" in line]
 
 
+@contextmanager
+def _reaped(proc: subprocess.Popen):
+    """Whatever the block asserts, no process of the job outlives it."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
 def _wait_training(proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 300
     metrics = out / "latest" / "metrics.jsonl"  # runs.py: the run's folder is output_dir/latest
@@ -77,7 +89,7 @@ def _wait_training(proc: subprocess.Popen, out: Path) -> None:
 @pytest.mark.parametrize("fault", ["sigint_group", "sigterm_torchrun", "kill_trainer_rank_1"])
 def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_path, fault):
     proc = _start(tmp_path, 3, "--weight_sync.transport", "nccl", "--trainer.steps", "500")
-    try:
+    with _reaped(proc):
         _wait_training(proc, tmp_path)  # every rank is in its loop (the generator serving, the trainers waiting)
         ranks = psutil.Process(proc.pid).children()
         assert len(ranks) == 3
@@ -93,10 +105,6 @@ def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_p
         ended_s = time.monotonic() - t0
         assert not alive, f"{fault}: ranks {[p.pid for p in alive]} still running after {EXIT_S} s"
         _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     lines = _our_lines(stderr)
     print(f"{fault}: every rank ended {ended_s:.2f} s after the fault; {lines}")
     assert len(lines) == 1, stderr[-5000:]
@@ -120,13 +128,9 @@ def test_collective_timeout_comes_from_the_config(tmp_path):
     t0 = time.monotonic()
     proc = _start(tmp_path, 2, "--trainer.steps", "2", "--trainer.collective_timeout_s", "3",
                   "--grpo.task", "tests.test_process_exits:slow_rank0_digits")
-    try:
+    with _reaped(proc):
         _, stderr = proc.communicate(timeout=SlowRank0Digits.SLOW_S + 120)
         ended_s = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     lines = _our_lines(stderr)
     assert proc.returncode != 0
     assert ended_s < SlowRank0Digits.SLOW_S, "the job waited for rank 0's slow step instead of timing out"
@@ -169,14 +173,10 @@ def test_sigterm_to_a_single_process_run_is_one_line_exit_143(tmp_path):
         [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
          str(tmp_path), "--grpo.prompts_per_step", "8", "--trainer.steps", "500"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with _reaped(proc):
         _wait_training(proc, tmp_path)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     assert _our_lines(stderr) == ["torchtitan_rl: interrupted (SIGTERM)"], stderr[-3000:]
     assert proc.returncode == 143
 
@@ -185,15 +185,11 @@ def test_sigterm_to_a_single_process_run_is_one_line_exit_143(tmp_path):
 def test_a_rank_killed_before_it_could_say_why_gets_one_line_from_the_launcher(tmp_path):
     """kill -9 of the only rank: nobody is left to say it, so the launcher names the rank and the signal."""
     proc = _start(tmp_path, 1, "--trainer.steps", "500")
-    try:
+    with _reaped(proc):
         _wait_training(proc, tmp_path)
         (rank,) = psutil.Process(proc.pid).children()
         rank.kill()
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     lines = _our_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith(f"torchtitan_rl: rank 0 (pid {rank.pid}) was killed by SIGKILL"), \
         stderr[-3000:]
