@@ -9,11 +9,12 @@ the tests skip where the sandbox forbids it.
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_cli, run_module
+from tests.helpers import REPO, free_port, run_cli, run_module
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml
 from torchtitan_rl.export import export_hf
@@ -170,3 +171,26 @@ def test_a_run_into_a_read_only_folder_is_one_line(read_only):
         simple_grpo.run(cfg)  # refused before any engine starts
     assert str(e.value).startswith(f"{read_only / 'out'}: read-only file system while creating the run folder ("), \
         str(e.value)
+
+
+def test_a_two_rank_checkpoint_save_on_a_full_disk_ends_every_rank_with_the_same_verdict(small_disk, tmp_path):
+    """FSDP over 2 ranks, each writing its own shard: whichever rank the disk refuses, every rank leaves the
+    save (no rank waits in a barrier for the others), step-N.tmp goes, and the previous checkpoint verifies."""
+    disk = small_disk(3)  # room for one checkpoint of the tiny model with Adam state (1.7 MiB), not two
+    results = tmp_path / "results"
+    results.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(REPO / "tests" / "trainer" / "full_disk_worker.py"), str(disk / "out"), str(results)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = disk / "out" / "checkpoints"
+    ended = [(results / f"rank{r}.txt").read_text() for r in range(2)]
+    kept = sorted(p.name for p in folder.iterdir())
+    assert len(kept) == 1 and kept[0].startswith("step-") and checkpoint.verify(folder / kept[0]) is None, kept
+    failed = f"step-{int(kept[0].removeprefix('step-')) + 1}"
+    assert all(e.startswith(("ValueError: ", "SystemExit: ")) for e in ended), ended
+    for e in ended:
+        if e.startswith("ValueError"):
+            assert e.startswith(f"ValueError: {folder}: no space left while saving {failed} ("), e
+            assert e.endswith(f"{failed}.tmp removed, {kept[0]} still verifies and --resume continues from it"), e
