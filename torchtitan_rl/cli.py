@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+from tqdm import tqdm
+
 _KEY = "torchtitan_rl/exit"
 """Store keys of the exit protocol: the first failure's line, every rank's host and pid."""
 
@@ -150,7 +152,9 @@ class RankExits:
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
         if first == line:
-            print(line, file=sys.stderr, flush=True)
+            # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing)
+            bar_open = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
+            print(("\n" if bar_open else "") + line, file=sys.stderr, flush=True)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
             try:
