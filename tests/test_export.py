@@ -62,7 +62,7 @@ def test_export_reloads_with_the_trainer_logprobs(family, tiny_hf_checkpoint, tm
     assert (want - hf_logprobs(folder, TOKENS_BL)).abs().max() > 1e-3  # the step moved the weights
 
     out = export_hf(trainer.sync_state(), shape=shape_of(folder), out_dir=tmp_path / "export",
-                    tokenizer_dir=folder, dtype="float32")
+                    tokenizer_dir=folder, dtype="float32", hf_checkpoint=folder)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[family]]
     assert config["model_type"] == family
@@ -118,7 +118,8 @@ def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     trainer.train_step(make_batch(seed=0), temperature=1.0, grpo=GRPOConfig())
     trainer.save_checkpoint(1)
     write_toml(cfg, run_dir / "config.toml")
-    live = export_hf(trainer.sync_state(), shape=shape, out_dir=tmp_path / "live", tokenizer_dir=folder)
+    live = export_hf(trainer.sync_state(), shape=shape, out_dir=tmp_path / "live", tokenizer_dir=folder,
+                     hf_checkpoint=folder)
 
     proc = run_module("torchtitan_rl.export", "--run-dir", str(run_dir), "--out", str(tmp_path / "cli"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -148,7 +149,8 @@ def test_export_carries_the_checkpoint_tokenizer_and_chat_template(tiny_hf_check
             shutil.copy(smollm2_dir / name, folder)
     shape = shape_of(folder)
     model = build_titan_model(shape, seed=0)
-    out = export_hf(dict(model.named_parameters()), shape=shape, out_dir=tmp_path / "export", tokenizer_dir=folder)
+    out = export_hf(dict(model.named_parameters()), shape=shape, out_dir=tmp_path / "export", tokenizer_dir=folder,
+                    hf_checkpoint=folder)
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     want = AutoTokenizer.from_pretrained(smollm2_dir).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -265,7 +267,7 @@ def test_the_digits_task_exports_a_tokenizer_that_round_trips(tmp_path, capsys):
     shape = run_shape(cfg, task)
     files = snapshot(tmp_path / "run", cfg=cfg, task=task, shape=shape)
     state = dict(build_titan_model(shape, seed=0).named_parameters())
-    out = export_hf(state, shape=shape, out_dir=tmp_path / "hf", tokenizer_dir=files)
+    out = export_hf(state, shape=shape, out_dir=tmp_path / "hf", tokenizer_dir=files, hf_checkpoint=files)
 
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert len(tokenizer) == task.vocab_size == shape.vocab_size
@@ -282,3 +284,21 @@ def test_the_digits_task_exports_a_tokenizer_that_round_trips(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f"torchtitan_rl: export: {tmp_path / 'bare'} has no tokenizer (the run had none): transformers and vLLM "
         "load its weights only with a tokenizer folder given beside it"]
+
+
+def test_a_random_model_on_another_checkpoints_tokenizer_exports_its_own_shape(smollm2_dir, tmp_path):
+    """task.tokenizer lends the tiny random model SmolLM2's tokenizer: the export's config.json is the tiny
+    model's (it used to be SmolLM2's, which no loader could fill from the tiny weights)."""
+    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.models.shape import build_titan_model
+
+    cfg = JobConfig()
+    cfg.grpo.task, cfg.task.tokenizer = "math", str(smollm2_dir)
+    shape = run_shape(cfg, run_task(cfg))
+    model = build_titan_model(shape, seed=0)
+    out = export_hf(dict(model.named_parameters()), shape=shape, out_dir=tmp_path / "export",
+                    tokenizer_dir=smollm2_dir, hf_checkpoint=cfg.model.hf_checkpoint)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (shape.hidden_size, shape.num_hidden_layers)
+    assert shape_of(out) == shape
+    assert (out / "tokenizer.json").is_file()

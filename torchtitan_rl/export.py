@@ -121,6 +121,7 @@ def export_hf(
     tokenizer_dir: str | Path | None = None,
     lora: LoRAConfig | None = None,
     dtype: str = "bfloat16",
+    hf_checkpoint: str | Path | None = None,
 ) -> Path:
     """Write ``state`` (the trainer's tensors, e.g. ``Trainer.sync_state()``) as an HF folder.
 
@@ -151,7 +152,7 @@ def export_hf(
     assert {k: tuple(v.shape) for k, v in hf_state.items()} == expected, "exported tensors differ from the HF model's"
 
     try:
-        _write_folder(out, hf_state, shape=shape, tokenizer_dir=tokenizer_dir, dtype=dtype)
+        _write_folder(out, hf_state, shape=shape, tokenizer_dir=tokenizer_dir, hf_checkpoint=hf_checkpoint, dtype=dtype)
     except (OSError, SafetensorError) as e:
         why = refused(e, out)
         if why is None:
@@ -162,11 +163,13 @@ def export_hf(
     return out
 
 
-def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir, dtype: str) -> None:
+def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir, hf_checkpoint, dtype: str) -> None:
     """The export's files, all or none (folders.complete_or_absent)."""
     with complete_or_absent(out) as tmp:
         save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = _hf_config(shape, tokenizer_dir, dtype)
+        # The model's own config.json (model.hf_checkpoint), never the tokenizer folder's: task.tokenizer may
+        # lend a random model another checkpoint's tokenizer.
+        config = _hf_config(shape, hf_checkpoint, dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         source = Path(tokenizer_dir) if tokenizer_dir is not None else None
         if source is not None and (source / "generation_config.json").is_file():
@@ -179,7 +182,8 @@ def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir
                 shutil.copy(source / name, tmp)
         _readable_as_usual(tmp)
     if not has_tokenizer(out):
-        print(f"torchtitan_rl: export: {out} has no tokenizer ({f'none in {source}' if source else 'the run had none'}):"
+        where = f"none in {source}" if source else "the run had none"
+        print(f"torchtitan_rl: export: {out} has no tokenizer ({where}):"
               " transformers and vLLM load its weights only with a tokenizer folder given beside it")
 
 
@@ -235,12 +239,12 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
             raise ValueError(f"export: --step {step}: no complete checkpoint step-{step} in {folder} (have {have})")
         if (why := checkpoint.verify(path)) is not None:
             raise ValueError(f"export: --step {step}: {path} is damaged: {why}")
-    files = run / SNAPSHOT
+    files = model_files = run / SNAPSHOT
     if files.is_dir():  # the run's own copy: model.hf_checkpoint and task.tokenizer may have moved since
         config = files / "config.json"
         shape = shape_from_hf_config(json.loads(config.read_text()), where=f"export: {config}")
     else:  # a run from before export_files: its sources must still be there
-        files = tokenizer_dir(cfg)
+        files, model_files = tokenizer_dir(cfg), cfg.model.hf_checkpoint
         shape = run_shape(cfg, run_task(cfg))
     model = build_titan_model(shape, seed=cfg.job.seed)  # every parameter is then read from the checkpoint
     if cfg.model.lora.rank:
@@ -248,7 +252,7 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
     print(f"torchtitan_rl: exporting {path}", file=sys.stderr)
     checkpoint.load_model(path, model=model)
     return export_hf(
-        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=files,
+        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=files, hf_checkpoint=model_files,
         lora=cfg.model.lora, dtype=cfg.model.dtype,
     )
 

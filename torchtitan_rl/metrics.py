@@ -127,7 +127,8 @@ class MetricsLogger:
         with self._refusals(path, doing=f"writing step {step}'s samples"), open(path, "ab", buffering=0) as f:
             _append_whole(f, "".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples).encode())
         text = "\n\n".join(
-            f"**reward {s['reward']:.2f}, weights v{s['version']}**\n\n```\n{s['prompt']}\n---\n{s['completion']}\n```"
+            f"**{s.get('set', '')} reward {s['reward']:.2f}, weights v{s['version']}**\n\n```\n{s['prompt']}\n---\n"
+            f"{s['completion']}\n```"
             for s in samples
         )
         self._tb.add_text("samples", text, step)
@@ -178,9 +179,11 @@ class MetricsLogger:
         steps = [r["step"] for r in self.history]
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
         top.plot(steps, [r["reward_mean"] for r in self.history], label="mean reward")
-        if self.eval_history:
-            top.plot([r["step"] for r in self.eval_history], [r["eval_accuracy"] for r in self.eval_history],
-                     marker="o", label="held-out accuracy (greedy)")
+        for key in sorted({k for r in self.eval_history for k in r if k.startswith("eval_accuracy")} - {
+                k for r in self.eval_history for k in r if k.startswith("eval_accuracy_se")}):
+            name = key.partition("/")[2] or "held-out"
+            top.plot([r["step"] for r in self.eval_history if key in r], [r[key] for r in self.eval_history if key in r],
+                     marker="o", label=f"{name} accuracy (greedy)")
         top.set_ylabel("reward")
         top.legend()
         bottom.plot(steps, [r["mismatch_mean"] for r in self.history], label="mean |Δ logprob|")

@@ -70,6 +70,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.distributed.world import init_world
     from torchtitan_rl.export import snapshot
     from torchtitan_rl.grpo.builder import BatchBuilder
+    from torchtitan_rl.grpo.eval_sets import load_eval_sets
     from torchtitan_rl.grpo.evaluate import Evaluator
     from torchtitan_rl.job import run_device, run_shape, run_task
     from torchtitan_rl.metrics import MetricsLogger, StepMetrics
@@ -84,6 +85,11 @@ def run(cfg: JobConfig) -> list[dict]:
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     task = run_task(cfg)
     shape = run_shape(cfg, task)
+    evaluator = None
+    if cfg.eval.every_n_steps:  # every set file read now: a bad one stops the run before its folder exists
+        evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
+                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
+                              samples=cfg.metrics.samples_per_eval, sets=load_eval_sets(cfg))
     world = None
     if cfg.job.export_dir is not None:
         from torchtitan_rl.export import check_target
@@ -115,11 +121,6 @@ def run(cfg: JobConfig) -> list[dict]:
             device=device, output_dir=out, batch_invariant=cfg.batch_invariant_mode,
         )
 
-    evaluator = None
-    if cfg.eval.every_n_steps:
-        evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
-                              seed=cfg.job.seed, max_total_tokens=cfg.generator.max_model_len,
-                              samples=cfg.metrics.samples_per_eval)
     rank = dist.get_rank()
     generator = None
     try:
@@ -134,7 +135,8 @@ def run(cfg: JobConfig) -> list[dict]:
                 except OSError as e:
                     if (why := refused(e, out)) is None:
                         raise
-                    raise write_error(out, why, doing="writing its config.toml and export_files", kept="nothing trained") from None
+                    raise write_error(out, why, doing="writing its config.toml and export_files",
+                                      kept="nothing trained") from None
                 print(f"torchtitan_rl: run folder {out}")
             generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
             queue = RolloutQueue(cfg, generator=generator, task=task)
@@ -229,7 +231,8 @@ def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run
         from torchtitan_rl.export import SNAPSHOT, export_hf
 
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
-                  tokenizer_dir=run / SNAPSHOT, lora=cfg.model.lora, dtype=cfg.model.dtype)
+                  tokenizer_dir=run / SNAPSHOT, hf_checkpoint=run / SNAPSHOT, lora=cfg.model.lora,
+                  dtype=cfg.model.dtype)
     plot = logger.close()
     if summary and logger.history:
         _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
@@ -244,10 +247,10 @@ def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -
     held_out = ""
     if logger.eval_history:
         a, b = logger.eval_history[0], logger.eval_history[-1]
-        held_out = (
-            f"held-out accuracy {a['eval_accuracy']:.3f} (step {a['step']}) -> "
-            f"{b['eval_accuracy']:.3f} (step {b['step']}); "
-        )
+        for key in (k for k in a if k.startswith("eval_accuracy") and not k.startswith("eval_accuracy_se")):
+            name = f"{key.partition('/')[2]} accuracy" if "/" in key else "held-out accuracy"
+            if key in b:
+                held_out += f"{name} {a[key]:.3f} (step {a['step']}) -> {b[key]:.3f} (step {b['step']}); "
     print(
         f"torchtitan_rl: {held_out}mean reward {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
         f"steps {history[0]['step']}..{history[-1]['step']}{f' (resumed at {start})' if start else ''}; "

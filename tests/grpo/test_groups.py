@@ -10,8 +10,11 @@ from torchtitan_rl.grpo.groups import Groups, fill_with_signal, overlong_penalty
 from torchtitan_rl.grpo.tasks.base import Prompt
 
 
-def _groups(rewards: list[list[float]], *, lengths: list[list[int]] | None = None, levels=None, tag: str = "") -> Groups:
+def _groups(rewards: list[list[float]], *, lengths: list[list[int]] | None = None, levels=None, tag: str = "",
+            correct: list[list[bool]] | None = None) -> Groups:
+    """Groups of these rewards; correct defaults to reward >= 1 (no format bonus)."""
     G = len(rewards[0])
+    correct = correct if correct is not None else [[r >= 1 for r in row] for row in rewards]
     lengths = lengths or [[3] * G for _ in rewards]
     completions = [[7] * n for row in lengths for n in row]
     return Groups(
@@ -21,6 +24,7 @@ def _groups(rewards: list[list[float]], *, lengths: list[list[int]] | None = Non
         prompt_ids=[[1]] * len(completions), completion_ids=completions, logprobs=[[0.0] * len(c) for c in completions],
         loss_mask=None, task_rewards_B=torch.tensor(rewards).flatten(), rewards_B=torch.tensor(rewards).flatten(),
         truncated_B=torch.tensor([n >= 8 for row in lengths for n in row]),
+        correct_B=torch.tensor(correct).flatten(),
     )
 
 
@@ -34,25 +38,37 @@ def test_overlong_penalty_is_zero_then_linear_over_the_buffer():
 
 def test_dynamic_sampling_fills_the_batch_with_groups_that_have_signal():
     first = _groups([[1, 1], [0, 1], [0, 0], [1, 1]], tag="a")  # one group with signal of four
-    draws = {1: _groups([[0, 1], [1, 1], [1, 0], [0, 0]], tag="b"), 2: _groups([[1, 0]] * 4, tag="c")}
-    batch, stats = fill_with_signal(first, lambda r: draws[r], want=4, max_rounds=3)
+    # Each round draws only the groups still missing: 3, then 1.
+    draws = {(1, 3): _groups([[0, 1], [1, 1], [1, 0]], tag="b"), (2, 1): _groups([[1, 0]], tag="c")}
+    batch, stats = fill_with_signal(first, lambda r, n: draws[r, n], want=4, max_rounds=3)
     assert [p.text for p in batch.prompts] == ["a1", "b0", "b2", "c0"]  # in the order drawn
     assert not batch.uniform().any()
-    assert stats == {"groups_dropped": 5.0, "groups_padded": 0.0, "sampling_rounds": 2.0,
-                     "refill_completion_tokens": 48.0}
+    assert stats == {"groups_dropped": 4.0, "groups_padded": 0.0, "sampling_rounds": 2.0,
+                     "refill_prompts": 4.0, "refill_completion_tokens": 24.0}
+
+
+def test_dynamic_sampling_drops_a_group_of_equal_accuracy_whatever_its_format_rewards():
+    # DAPO's filter reads accuracy: group a0 is all wrong, but one answer earned the 0.1 format bonus, so its
+    # rewards differ; a1 is all right with a length penalty on one. Both are dropped; a2 (one right) is kept.
+    first = _groups([[0.0, 0.1], [1.0, 0.7], [1.1, 0.0]], tag="a",
+                    correct=[[False, False], [True, True], [True, False]])
+    draws = {(1, 2): _groups([[1.0, 0.0], [0.0, 1.0]], tag="b")}
+    batch, stats = fill_with_signal(first, lambda r, n: draws[r, n], want=3, max_rounds=1)
+    assert [p.text for p in batch.prompts] == ["a2", "b0", "b1"]
+    assert stats["groups_dropped"] == 2.0 and stats["refill_prompts"] == 2.0
 
 
 def test_dynamic_sampling_stops_after_the_bound_and_tops_up_with_dropped_groups():
     calls = []
 
-    def draw(r):
-        calls.append(r)
-        return _groups([[0, 0]] * 3, tag=f"r{r}")
+    def draw(r, n):
+        calls.append((r, n))
+        return _groups([[0, 0]] * n, tag=f"r{r}")
 
     batch, stats = fill_with_signal(_groups([[0, 1], [1, 1], [0, 0]], tag="a"), draw, want=3, max_rounds=2)
-    assert calls == [1, 2]
+    assert calls == [(1, 2), (2, 2)]
     assert [p.text for p in batch.prompts] == ["a0", "a1", "a2"]  # the one with signal, then dropped ones
-    assert stats["groups_padded"] == 2.0 and stats["sampling_rounds"] == 2.0 and stats["groups_dropped"] == 8.0
+    assert stats["groups_padded"] == 2.0 and stats["sampling_rounds"] == 2.0 and stats["groups_dropped"] == 6.0
 
 
 def test_rollout_metrics_report_lengths_the_cut_share_and_rewards_per_level():
@@ -68,7 +84,7 @@ def test_rollout_metrics_report_lengths_the_cut_share_and_rewards_per_level():
 def _score_on_rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # A reward that depends on who computes it (as math-verify's wall-clock time limits can).
-    out[rank] = shared_scores(lambda i: i + 1000.0 * rank, 7, device=torch.device("cpu")).tolist()
+    out[rank] = shared_scores(lambda i: (i + 1000.0 * rank, -i), 7, device=torch.device("cpu")).tolist()
     dist.destroy_process_group()
 
 
@@ -79,4 +95,5 @@ def test_rewards_are_computed_once_and_every_rank_gets_the_same():
         mp.spawn(_score_on_rank, args=(free_port(), out), nprocs=2)
         r0, r1 = out[0], out[1]
     # Rank 0 scored rows 0-3, rank 1 rows 4-6; each rank trains on the same values.
-    assert r0 == r1 == [0.0, 1.0, 2.0, 3.0, 1004.0, 1005.0, 1006.0]
+    assert r0 == r1 == [[0.0, 0.0], [1.0, -1.0], [2.0, -2.0], [3.0, -3.0], [1004.0, -4.0], [1005.0, -5.0],
+                        [1006.0, -6.0]]

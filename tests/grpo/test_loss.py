@@ -313,3 +313,30 @@ def test_entropy_bonus_subtracts_the_aggregated_entropy():
     assert metrics["entropy"] == pytest.approx((1 + 2 + 3 + 4) / 4)
     assert loss.item() == pytest.approx(base.item() - 0.1 * 10 / 4)
     torch.testing.assert_close(entropy_BT.grad, -0.1 / 4 * _MASK.float())
+
+
+def test_dr_grpo_normaliser_counts_rows_whose_tokens_are_all_masked():
+    # Overlong filtering masked row 1 entirely: Dr. GRPO still divides by 2 rows x max_tokens 5 (the paper's
+    # constant), so masking a completion does not scale up the others' gradient.
+    mask_BT = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    logprobs_BT = _OLD.clone().requires_grad_()
+    loss, metrics = grpo_loss(logprobs_BT, _OLD, _ADV, mask_BT, **CLIP, aggregation="seq_mean_token_sum_norm",
+                              max_tokens=5)
+    loss.backward()
+    assert loss.item() == pytest.approx(-3 * 2.0 / 10)
+    torch.testing.assert_close(logprobs_BT.grad, torch.tensor([[-0.2] * 3, [0.0] * 3]))
+    assert metrics["sequences"] == 1.0  # the metric still counts sequences with a scored token
+
+
+def test_sequence_importance_weights_are_the_geometric_mean_per_sequence_capped_as_one():
+    # Row 0: token rho 2 and 0.5 -> sequence rho 1; row 1: 3 and 3 -> 3 (over the cap 2); a padding position.
+    mu_BT = torch.full((2, 3), -2.0)
+    rho_BT = torch.tensor([[2.0, 0.5, 1.0], [3.0, 3.0, 1.0]])
+    mask_BT = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    old_BT = (mu_BT + rho_BT.log()).masked_fill(~mask_BT.bool(), -1e9)
+    expected = {"truncate": [[1.0, 1.0, 0.0], [2.0, 2.0, 0.0]], "mask": [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]}
+    for mode, weights in expected.items():
+        weights_BT, stats = importance_weights(old_BT, mu_BT, mask_BT, mode=mode, cap=2.0, level="sequence")
+        torch.testing.assert_close(weights_BT, torch.tensor(weights), rtol=1e-6, atol=1e-6)
+        assert stats["is_capped_frac"] == pytest.approx(2 / 4)
+        assert stats["is_weight_max"] == pytest.approx(3.0, rel=1e-6)

@@ -13,16 +13,20 @@ REPO = Path(__file__).resolve().parents[2]
 def test_presets_differ_from_the_default_only_in_grpo():
     default = load_toml(REPO / "run_configs/smollm2_135m_math.toml")
     seen = {}
-    for name in ("grpo", "drgrpo", "dapo"):
+    for name in ("grpo", "drgrpo", "dapo", "gspo"):
         cfg = load_toml(REPO / f"run_configs/smollm2_135m_math_{name}.toml")
         validate(cfg)
         assert dataclasses.replace(cfg, grpo=default.grpo, job=default.job) == default, name
-        seen[name] = (cfg.grpo.loss_aggregation, cfg.grpo.advantage_norm, cfg.grpo.clip_eps_high,
-                      cfg.grpo.dynamic_sampling, cfg.grpo.overlong, cfg.grpo.mini_batches)
+        g = cfg.grpo
+        seen[name] = (g.loss_aggregation, g.advantage_norm, g.ratio_level, g.clip_eps_low, g.clip_eps_high,
+                      g.kl_coef, g.importance_correction, g.dynamic_sampling, g.overlong, g.mini_batches)
     assert seen == {
-        "grpo": ("seq_mean_token_mean", "group_std", 0.2, False, "off", 2),
-        "drgrpo": ("seq_mean_token_sum_norm", "none", 0.2, False, "off", 2),
-        "dapo": ("token_mean", "group_std", 0.28, True, "soft_penalty", 2),
+        # GRPO as published: the k3 KL to the initial policy at 0.04.
+        "grpo": ("seq_mean_token_mean", "group_std", "token", 0.2, 0.2, 0.04, "off", False, "off", 2),
+        "drgrpo": ("seq_mean_token_sum_norm", "none", "token", 0.2, 0.2, 0.0, "off", False, "off", 2),
+        "dapo": ("token_mean", "group_std", "token", 0.2, 0.28, 0.0, "off", True, "soft_penalty", 2),
+        # GSPO: the paper's sequence-level clip range and a sequence-level off-policy correction.
+        "gspo": ("seq_mean_token_mean", "group_std", "sequence", 3e-4, 4e-4, 0.0, "truncate", False, "off", 2),
     }
 
 

@@ -206,3 +206,21 @@ def test_epochs_and_mini_batches_with_lora_step_only_the_adapters(make_trainer):
     assert metrics["optimizer_steps"] == 4 and metrics["ratio_max"] > 1.0
     moved = {k for k, p in trainer.model.named_parameters() if not torch.equal(p.full_tensor(), before[k])}
     assert moved and all("lora" in k for k in moved), sorted(moved)[:3]
+
+
+def test_dr_grpo_counts_rows_whose_tokens_are_all_masked(make_trainer):
+    # Overlong filtering masks rows 4-7 whole. Dr. GRPO's normaliser is rows x max_tokens, so the step equals
+    # the one where those rows stay in with advantage 0 (no gradient, same normaliser); dividing by the 4 rows
+    # with a scored token instead (the old count) would double every gradient.
+    grpo = dataclasses.replace(GRPO, loss_aggregation="seq_mean_token_sum_norm")
+    batch = make_batch(seed=6)
+    cut_B = torch.arange(8) >= 4
+    masked = dataclasses.replace(batch, loss_mask_BL=batch.loss_mask_BL * ~cut_B[:, None])
+    zeroed = dataclasses.replace(batch, advantages_B=torch.where(cut_B, 0.0, batch.advantages_B))
+    a = make_trainer(max_grad_norm=0.0, model_config=FP32)
+    b = make_trainer(max_grad_norm=0.0, model_config=FP32)
+    m_a = a.train_step(masked, temperature=1.0, grpo=grpo, max_tokens=7)
+    m_b = b.train_step(zeroed, temperature=1.0, grpo=grpo, max_tokens=7)
+    assert m_a["grad_norm"] == pytest.approx(m_b["grad_norm"], rel=GRAD_RTOL) and m_a["grad_norm"] > 0
+    for name, g in _grads(b).items():
+        torch.testing.assert_close(_grads(a)[name], g, rtol=0, atol=GRAD_RTOL * g.abs().max().item())

@@ -7,6 +7,7 @@ validation.py: checks across sections; cli.py: the command line (tyro).
 from torchtitan_rl.config.job_config import (
     CheckpointConfig,
     EvalConfig,
+    EvalSetConfig,
     GeneratorConfig,
     GRPOConfig,
     JobConfig,
@@ -31,6 +32,7 @@ from torchtitan_rl.config.validation import validate
 __all__ = [
     "CheckpointConfig",
     "EvalConfig",
+    "EvalSetConfig",
     "GeneratorConfig",
     "GRPOConfig",
     "JobConfig",

@@ -23,7 +23,8 @@ _DESCRIPTION = (
     "--config FILE.toml loads a run config (see run_configs/); any flag below "
     "overrides it, e.g. --trainer.optimizer.lr 1e-4 (bools: --flag, --no-flag or "
     "--flag false). Precedence: command line > file > defaults; "
-    "the defaults shown include the file's values."
+    "the defaults shown include the file's values. Named evaluation sets are [[eval.sets]] tables "
+    "in the file (run_configs/smollm2_135m_math.toml has one); --eval.sets.N.FIELD then overrides them."
 )
 
 

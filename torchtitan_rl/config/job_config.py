@@ -266,13 +266,13 @@ class GRPOConfig:
     clip_eps_high: float = 0.2
     """Upper ratio clip: ratio <= 1 + clip_eps_high."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to a frozen reference model; 0 disables it."""
+    """Weight of the k3 KL penalty to the initial policy (GRPO as published: 0.04); 0 disables it. > 0 builds a second, frozen trainer model from the same weights: one more fp32 copy of the parameters (4 bytes each, sharded as the trainer's; no optimizer state) and one more forward per step."""
     advantage_norm: Literal["group_std", "none"] = "group_std"
     """group_std: (r - mean) / std per group; none: r - mean only."""
     max_staleness: int = 0
     """Steps the generator may run ahead: step k may train on rollouts sampled with the weights of step k - max_staleness, generated while the trainer learns (0: generate, then train, on the same weights)."""
     importance_correction: Literal["off", "truncate", "mask"] = "off"
-    """Per-token weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator: truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
+    """Weight w on the policy loss for sampling with other weights or kernels than the trainer's, from rho = pi_old / pi_generator, per token (per sequence, its geometric mean, with grpo.ratio_level sequence): truncate: min(rho, cap) (TIS); mask: rho inside [1/cap, cap], else 0; off: 1 (docs/design.md)."""
     importance_cap: float = 2.0
     """The cap C of grpo.importance_correction (> 1)."""
     epochs: int = 1
@@ -280,13 +280,13 @@ class GRPOConfig:
     mini_batches: int = 1
     """Optimizer steps per pass: each rank's rows split into this many contiguous parts (whole groups where the split allows), so at most its rows (P x G / data-parallel ranks); pi_old stays the batch's start."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (sequences x generator.sampling.max_tokens) (Dr. GRPO)."""
+    """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (rows x generator.sampling.max_tokens), a constant, overlong-masked rows included (Dr. GRPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
-    """token: per-token ratio pi / pi_old (PPO, GRPO); sequence: each sequence's geometric-mean ratio, clipped as one (GSPO; its paper clips at ~3e-4 / 4e-4)."""
+    """token: per-token ratio pi / pi_old (PPO, GRPO); sequence (GSPO): each sequence's geometric-mean ratio, clipped as one (its paper clips at 3e-4 / 4e-4), and grpo.importance_correction per sequence too; the advantage is per sequence either way, the loss still sums per-token terms."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (no signal) and draw more prompts until the batch holds grpo.prompts_per_step groups with signal (DAPO)."""
+    """Drop groups whose completions are all right or all wrong (DAPO's accuracy filter, Task.correct: a format bonus or length penalty does not count as signal) and draw the prompts still missing until the batch holds grpo.prompts_per_step groups with signal."""
     dynamic_sampling_max_rounds: int = 3
-    """Most extra rounds of grpo.prompts_per_step prompts per step under dynamic sampling; still short after them, the batch is topped up with dropped groups (advantage 0)."""
+    """Most extra draws per step under dynamic sampling (each of the groups still missing); still short after them, the batch is topped up with dropped groups."""
     overlong: Literal["off", "mask", "soft_penalty"] = "off"
     """Completions cut at generator.sampling.max_tokens: off: trained as any; mask: left out of the loss (DAPO's overlong filtering); soft_penalty: DAPO's length penalty over the last grpo.overlong_buffer tokens, added to the reward."""
     overlong_buffer: int = 64
@@ -348,18 +348,63 @@ class TaskConfig:
 
 
 @dataclass(kw_only=True)
+class EvalSetConfig:
+    """A named evaluation set: a file of (question, answer) records, rendered and scored as training's are."""
+
+    name: str = ""
+    """Name in the metrics (eval_accuracy/NAME) and in samples.jsonl: letters, digits, '_', '-', '.'."""
+    path: str = ""
+    """A .jsonl/.json or .parquet file, or a folder written by datasets' save_to_disk (one record per problem)."""
+    split: str = ""
+    """A save_to_disk folder of several splits (a DatasetDict): the one to read; empty when it holds one."""
+    prompt_field: str = "question"
+    """Field holding the question."""
+    answer_field: str = "answer"
+    """Field holding the reference answer; GSM8K's '... #### 42' gives 42."""
+    verifier: Literal["math_verify", "exact"] = "math_verify"
+    """math_verify: the final answer equals the reference symbolically (training's reward); exact: the completion, stripped, equals the answer."""
+    system_prompt: str | None = None
+    """System message of the set's prompts; none takes the run's task.system_prompt (the run's chat template either way)."""
+    instruction: str | None = None
+    """Appended to each question; none takes the run's task.instruction."""
+    num_prompts: int = 0
+    """Problems scored (the first N of the file); 0: all."""
+    max_tokens: int = 0
+    """Completion length limit; 0 takes eval.max_tokens, then generator.sampling.max_tokens."""
+    mean_at_k: int = 0
+    """Also sample k completions per problem at the training temperature and report their mean accuracy; 0: off."""
+
+    def check(self, path: str) -> None:
+        if not self.name or not all(c.isalnum() or c in "_-." for c in self.name) or self.name == "heldout":
+            raise ValueError(f"{path}.name: must be non-empty letters, digits, '_', '-' or '.' (not 'heldout', the "
+                             f"task's own set), got {self.name!r}")
+        if not self.path:
+            raise ValueError(f"{path}.path: set a .jsonl, .parquet file or a datasets folder")
+        at_least(self, path, 0, "num_prompts", "max_tokens", "mean_at_k")
+
+
+@dataclass(kw_only=True)
 class EvalConfig:
     every_n_steps: int = 0
-    """Greedy pass@1 on the task's held-out set before the first step, every N steps and at the end; 0: never."""
+    """Greedy pass@1 on the task's held-out set and on eval.sets before the first step, every N steps and at the end; 0: never."""
     num_prompts: int = 0
     """Held-out problems per evaluation (the first N of the fixed set); 0 takes the whole set."""
     max_tokens: int = 0
     """Completion length limit during evaluation; 0 takes generator.sampling.max_tokens."""
     mean_at_k: int = 0
     """Also sample k completions per problem at the training temperature and report mean accuracy; 0: off."""
+    sets: tuple[EvalSetConfig, ...] = ()
+    """Named evaluation sets ([[eval.sets]] tables in TOML), each scored with the held-out set and logged as eval_accuracy/NAME with its standard error."""
 
     def check(self, path: str) -> None:
         at_least(self, path, 0, "every_n_steps", "num_prompts", "max_tokens", "mean_at_k")
+        for i, s in enumerate(self.sets):
+            s.check(f"{path}.sets[{i}]")
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{path}.sets: names must differ, got {names}")
+        if self.sets and not self.every_n_steps:
+            raise ValueError(f"{path}.every_n_steps: eval.sets are scored every N steps; set N > 0")
 
 
 @dataclass(kw_only=True)

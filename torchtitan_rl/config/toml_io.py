@@ -81,6 +81,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             choices = ", ".join(repr(a) for a in args)
             raise ValueError(f"{path}: expected one of {choices}, got {_describe(value)}")
         return value
+    if dataclasses.is_dataclass(tp):  # an item of an array of tables ([[eval.sets]])
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: expected a table, got {_describe(value)}")
+        return _build(tp(), value, path + ".")
     if origin is tuple:
         n = "" if args[-1] is Ellipsis else f"{len(args)} "
         want = f"an array of {n}{_type_name(args[0])}"
@@ -120,20 +124,37 @@ def write_toml(cfg: JobConfig, path: str | os.PathLike) -> None:
 
 
 def _emit(obj: Any, table: str, lines: list[str]) -> None:
-    sub_tables = []
+    sub_tables, arrays = [], []
     if table:
         lines += ["", f"[{table}]"]
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             sub_tables.append((f.name, value))
+        elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+            arrays.append((f.name, value))
         elif value is None:
             assert f.default is None, f"{table}.{f.name}: None must be the default to round-trip"
         else:
             secret = f"{table}.{f.name}" in SECRETS and value
             lines.append(f"{f.name} = {_toml_value(REDACTED if secret else value)}")
+    for name, items in arrays:  # [[table.name]] after the table's own keys, before its sub-tables
+        for item in items:
+            lines += ["", f"[[{table}.{name}]]"]
+            _emit_keys(item, f"{table}.{name}", lines)
     for name, value in sub_tables:
         _emit(value, f"{table}.{name}" if table else name, lines)
+
+
+def _emit_keys(obj: Any, table: str, lines: list[str]) -> None:
+    """An array item's keys (no nested tables in one)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        assert not dataclasses.is_dataclass(value), f"{table}.{f.name}: nested table in an array item"
+        if value is None:
+            assert f.default is None, f"{table}.{f.name}: None must be the default to round-trip"
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
 
 
 def _toml_value(value: Any) -> str:

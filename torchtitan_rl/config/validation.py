@@ -106,9 +106,20 @@ def _check_eval(cfg: JobConfig) -> None:
             f"eval.max_tokens: {cfg.eval.max_tokens} leaves no room for a prompt in "
             f"generator.max_model_len {cfg.generator.max_model_len}"
         )
-    if cfg.eval.every_n_steps and effective_task(cfg).partition(":")[0] == "digits":
+    if cfg.eval.every_n_steps and not cfg.eval.sets and effective_task(cfg).partition(":")[0] == "digits":
         # Every digit string can be drawn for training: nothing is held out.
-        raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset'")
+        raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset', "
+                         "or add eval.sets")
+    for i, s in enumerate(cfg.eval.sets):
+        where = f"eval.sets[{i}]"
+        if tokenizer_dir(cfg) is None:
+            raise ValueError(f"{where}: a named set is asked in the chat template of task.tokenizer or "
+                             "model.hf_checkpoint; set one")
+        if not Path(s.path).exists():
+            raise ValueError(f"{where}.path: not found: {s.path}")
+        if s.max_tokens >= cfg.generator.max_model_len:
+            raise ValueError(f"{where}.max_tokens: {s.max_tokens} leaves no room for a prompt in "
+                             f"generator.max_model_len {cfg.generator.max_model_len}")
 
 
 def _check_rows_per_rank(cfg: JobConfig, *, dp: int) -> None:

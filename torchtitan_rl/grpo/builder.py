@@ -51,9 +51,9 @@ class BatchBuilder:
             overlong_penalty_at_max=grpo.overlong_penalty, device=device,
         )
 
-    def build(self, prompts: list[Prompt], rollouts, *, refill: Callable[[int], tuple[list[Prompt], object]]
-              ) -> StepBatch:
-        """``refill(round)``: (prompts, rollouts) of dynamic sampling's extra draw ``round``."""
+    def build(self, prompts: list[Prompt], rollouts, *,
+              refill: Callable[[int, int], tuple[list[Prompt], object]]) -> StepBatch:
+        """``refill(round, n)``: (prompts, rollouts) of dynamic sampling's extra draw ``round``, n prompts."""
         cfg, trainer = self.cfg, self.trainer
         P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
         temperature = cfg.generator.sampling.temperature
@@ -64,7 +64,7 @@ class BatchBuilder:
         batch, sampling_stats = drawn, {}
         if cfg.grpo.dynamic_sampling:
             batch, sampling_stats = fill_with_signal(
-                drawn, lambda round_: self.score(*refill(round_)), want=P,
+                drawn, lambda round_, n: self.score(*refill(round_, n)), want=P,
                 max_rounds=cfg.grpo.dynamic_sampling_max_rounds,
             )
         # 4. group-relative advantages
@@ -92,6 +92,7 @@ class BatchBuilder:
         # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
         is_weights_BL, is_stats = importance_weights(
             trainer_lp_BL, gen_lp_BL, mask_BL, mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
+            level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
         )
         is_stats = self._reduce(is_stats, mask_BL)
         ref_lp_BL = None

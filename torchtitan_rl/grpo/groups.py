@@ -4,7 +4,8 @@ The loop's steps 3-4 (score, advantages) in pieces a reader can check one by
 one: ``score_groups`` turns rollouts into ``Groups`` (every rank scores a
 slice of the completions and all ranks gather them, so every rank trains on
 the same rewards even where a reward's time limit is wall-clock);
-``fill_with_signal`` keeps the groups whose rewards differ and draws more
+``fill_with_signal`` keeps the groups whose accuracy varies (DAPO's filter:
+some completions right, some wrong) and draws the prompts still missing
 until the batch is full (docs/design.md, "Dynamic sampling").
 """
 
@@ -37,14 +38,17 @@ class Groups:
     """float32: what the advantages see, task_rewards_B plus the overlong penalty (if any)."""
     truncated_B: Tensor
     """bool: the completion was cut at the length limit (no eos)."""
+    correct_B: Tensor
+    """bool: the task calls the completion correct (Task.correct): what DAPO's filter reads."""
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def uniform(self) -> Tensor:
-        """bool [groups]: all rewards of the group are equal (no signal, advantage 0)."""
-        rewards_PG = self.rewards_B.view(-1, self.group_size)
-        return (rewards_PG == rewards_PG[:, :1]).all(dim=1)
+        """bool [groups]: all completions of the group are right, or all wrong (DAPO's filter: accuracy 0 or
+        1). A format bonus or a length penalty may still make its rewards differ; the group is dropped anyway."""
+        correct_PG = self.correct_B.view(-1, self.group_size)
+        return (correct_PG == correct_PG[:, :1]).all(dim=1)
 
     def select(self, groups: list[int]) -> "Groups":
         G = self.group_size
@@ -59,6 +63,7 @@ class Groups:
             task_rewards_B=self.task_rewards_B[rows],
             rewards_B=self.rewards_B[rows],
             truncated_B=self.truncated_B[rows],
+            correct_B=self.correct_B[rows],
         )
 
     @staticmethod
@@ -76,20 +81,22 @@ class Groups:
             task_rewards_B=torch.cat([p.task_rewards_B for p in parts]),
             rewards_B=torch.cat([p.rewards_B for p in parts]),
             truncated_B=torch.cat([p.truncated_B for p in parts]),
+            correct_B=torch.cat([p.correct_B for p in parts]),
         )
 
 
-def shared_scores(score: Callable[[int], float], n: int, *, device: torch.device) -> Tensor:
-    """float32 [n]: ``score(i)`` for every i, each computed on exactly one rank of the default group
-    (rank r: a contiguous r-th share) and gathered, so every rank holds the same values."""
+def shared_scores(score: Callable[[int], tuple[float, ...]], n: int, *, device: torch.device) -> Tensor:
+    """float32 [n, k]: ``score(i)`` (k floats) for every i, each computed on exactly one rank of the default
+    group (rank r: a contiguous r-th share) and gathered, so every rank holds the same values."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return torch.tensor([score(i) for i in range(n)])
+        return torch.tensor([score(i) for i in range(n)], dtype=torch.float64).float()
     world, rank = dist.get_world_size(), dist.get_rank()
     share = math.ceil(n / world)
     mine = [score(i) for i in range(rank * share, min(n, (rank + 1) * share))]
+    k = len(score(0)) if not mine else len(mine[0])
     # float64: the Python floats cross the wire exactly, then round to float32 as torch.tensor(list) does.
-    local = torch.zeros(share, dtype=torch.float64, device=device)
-    local[: len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    local = torch.zeros(share, k, dtype=torch.float64, device=device)
+    local[: len(mine)] = torch.tensor(mine, dtype=torch.float64).reshape(len(mine), k)
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)
     return torch.cat(gathered)[:n].cpu().float()
@@ -115,8 +122,11 @@ def score_groups(
     overlong penalty added to the rewards when grpo.overlong is soft_penalty."""
     G = group_size
     completions = rollouts.completion_ids
-    task_rewards_B = shared_scores(lambda i: task.reward(prompts[i // G], completions[i]), len(completions),
-                                   device=device)
+    # The reward and the verdict of each completion (math-verify caches the second read of a text).
+    scores_B2 = shared_scores(lambda i: (task.reward(prompts[i // G], completions[i]),
+                                         float(task.correct(prompts[i // G], completions[i]))),
+                              len(completions), device=device)
+    task_rewards_B, correct_B = scores_B2[:, 0].contiguous(), scores_B2[:, 1] == 1.0
     truncated_B = truncated(completions, max_tokens=max_tokens, eos_id=task.eos_id)
     rewards_B = task_rewards_B
     if overlong == "soft_penalty":
@@ -127,36 +137,42 @@ def score_groups(
     return Groups(
         group_size=G, prompts=list(prompts), prompt_ids=rollouts.prompt_ids, completion_ids=completions,
         logprobs=rollouts.logprobs, loss_mask=rollouts.loss_mask, task_rewards_B=task_rewards_B,
-        rewards_B=rewards_B, truncated_B=truncated_B,
+        rewards_B=rewards_B, truncated_B=truncated_B, correct_B=correct_B,
     )
 
 
-def fill_with_signal(first: Groups, draw: Callable[[int], Groups], *, want: int,
+def fill_with_signal(first: Groups, draw: Callable[[int, int], Groups], *, want: int,
                      max_rounds: int) -> tuple[Groups, dict[str, float]]:
-    """DAPO's dynamic sampling: ``want`` groups whose rewards differ, from ``first`` and up to
-    ``max_rounds`` more draws (``draw(round)``, round 1, 2, ...), in the order drawn. Still short after
-    the last round, the batch is topped up with dropped groups (advantage 0, as plain GRPO trains them).
+    """DAPO's dynamic sampling: ``want`` groups whose accuracy varies (``Groups.uniform``), from ``first``
+    and up to ``max_rounds`` more draws of just the groups still missing (``draw(round, n)``: round 1, 2,
+    ..., n prompts), in the order drawn. Still short after the last round, the batch is topped up with
+    dropped groups (trained as plain GRPO trains them: advantage 0 unless a format bonus or length penalty
+    makes their rewards differ).
 
-    Returns the batch (exactly ``want`` groups) and metrics: groups_dropped (uniform groups seen),
-    groups_padded (of them put back), sampling_rounds (extra rounds drawn), refill_completion_tokens
-    (tokens the extra rounds generated).
+    Returns the batch (exactly ``want`` groups) and metrics: groups_dropped (groups without signal seen),
+    groups_padded (of them put back), sampling_rounds (extra rounds drawn), refill_prompts (prompts they
+    drew), refill_completion_tokens (tokens they generated).
     """
-    kept, dropped, rounds, seen, refill_tokens = [], [], 0, first, 0
+    kept, dropped, rounds, seen, refill_prompts, refill_tokens = [], [], 0, first, 0, 0
     while True:
         uniform = seen.uniform().tolist()
         kept.append(seen.select([g for g, u in enumerate(uniform) if not u]))
         dropped.append(seen.select([g for g, u in enumerate(uniform) if u]))
-        if sum(map(len, kept)) >= want or rounds == max_rounds:
+        missing = want - sum(map(len, kept))
+        if missing <= 0 or rounds == max_rounds:
             break
         rounds += 1
-        seen = draw(rounds)
+        seen = draw(rounds, missing)
+        assert len(seen) == missing, (len(seen), missing)
+        refill_prompts += missing
         refill_tokens += sum(map(len, seen.completion_ids))
     batch = Groups.concat(kept)
     n_dropped = sum(map(len, dropped))
     padded = max(0, want - len(batch))
     batch = Groups.concat([batch, *dropped]).select(list(range(want)))
     return batch, {"groups_dropped": float(n_dropped), "groups_padded": float(padded),
-                   "sampling_rounds": float(rounds), "refill_completion_tokens": float(refill_tokens)}
+                   "sampling_rounds": float(rounds), "refill_prompts": float(refill_prompts),
+                   "refill_completion_tokens": float(refill_tokens)}
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:

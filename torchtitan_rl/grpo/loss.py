@@ -62,9 +62,11 @@ def grpo_loss(
         aggregation: token_mean (DAPO): sum over every valid token / token count;
             seq_mean_token_mean (GRPO, Shao et al. 2024): each sequence's token mean,
             averaged over sequences; seq_mean_token_sum_norm (Dr. GRPO, Liu et al.
-            2025): sum over tokens / (sequences x max_tokens), a constant per batch shape.
-        num_sequences: the seq_* aggregations' sequence count of the whole batch
-            (sequences with at least one scored token); None: this call's.
+            2025): sum over tokens / (rows x max_tokens), a constant per batch shape:
+            rows whose tokens are all masked (overlong filtering) still count.
+        num_sequences: the seq_* aggregations' sequence count of the whole batch:
+            seq_mean_token_mean's sequences with at least one scored token,
+            seq_mean_token_sum_norm's rows (every sequence); None: this call's.
         max_tokens: seq_mean_token_sum_norm's constant (generator.sampling.max_tokens).
         ratio_level: token: pi / pi_old per token (PPO, GRPO); sequence (GSPO, Zheng
             et al. 2025): every token of a sequence takes the sequence's geometric-mean
@@ -136,16 +138,18 @@ def grpo_loss(
 
     valid = int(mask_BT.sum().item())
     seqs = int((seq_tokens_B1 > 0).sum().item())
+    rows = mask_BT.shape[0]
     if aggregation == "token_mean":
         denom = num_tokens if num_tokens is not None else max(valid, 1)
         loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / denom
     else:
-        denom = num_sequences if num_sequences is not None else max(seqs, 1)
         if aggregation == "seq_mean_token_mean":
+            denom = num_sequences if num_sequences is not None else max(seqs, 1)
             per_token_BT = per_token_BT / seq_tokens_B1.clamp(min=1).to(dtype)
         else:
+            # Dr. GRPO's constant: batch size x max length, the same whatever the mask leaves.
             assert aggregation == "seq_mean_token_sum_norm", aggregation
-            denom = denom * max_tokens
+            denom = (num_sequences if num_sequences is not None else max(rows, 1)) * max_tokens
         loss = torch.where(mask_BT, per_token_BT, 0.0).sum() / denom
 
     with torch.no_grad():
@@ -185,6 +189,7 @@ def importance_weights(
     *,
     mode: Literal["off", "truncate", "mask"],
     cap: float,
+    level: Literal["token", "sequence"] = "token",
 ) -> tuple[Tensor | None, dict[str, float]]:
     """Per-token weight w of the off-policy correction from rho = pi_old / mu, and its statistics.
 
@@ -196,6 +201,8 @@ def importance_weights(
             1/cap <= rho <= cap, else 0 (the token leaves the gradient, not the normaliser);
             off: no weights (None), statistics only.
         cap: C > 1.
+        level: token: rho of each token; sequence (GSPO's): every token of a sequence takes the
+            sequence's geometric mean exp(mean_t log(pi_old / mu)), capped or masked as one.
 
     Returns the weights (float32, 0 off the mask; None when off) and metrics
     over the scored tokens: ``is_weight_mean`` and ``is_weight_max`` of rho
@@ -203,7 +210,13 @@ def importance_weights(
     (0 when off).
     """
     mask_BT = mask_BT.bool()
-    log_rho_BT = (old_logprobs_BT.float() - generator_logprobs_BT.float()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_rho_BT = torch.where(mask_BT, old_logprobs_BT.float() - generator_logprobs_BT.float(), 0.0)
+    if level == "sequence":
+        log_rho_BT = (log_rho_BT.sum(dim=1, keepdim=True) / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)
+                      ).expand_as(log_rho_BT)
+    else:
+        assert level == "token", level
+    log_rho_BT = log_rho_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     rho_BT = torch.where(mask_BT, torch.exp(log_rho_BT), 0.0)
     if mode == "truncate":
         capped_BT = mask_BT & (rho_BT > cap)

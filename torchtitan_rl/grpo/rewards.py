@@ -35,8 +35,11 @@ def _parse_reference(answer: str):
     return parse(f"${answer}$", parsing_timeout=_timeout())
 
 
+@functools.lru_cache(maxsize=8192)
 def correct(text: str, answer: str) -> float:
-    """1.0 when the completion's final answer equals the reference, else 0.0."""
+    """1.0 when the completion's final answer equals the reference, else 0.0.
+
+    Cached: a step reads each completion twice (its reward, and its verdict for dynamic sampling)."""
     gold = _parse_reference(answer)
     assert gold, f"reference answer {answer!r} does not parse"
     predicted = parse(text, parsing_timeout=_timeout())

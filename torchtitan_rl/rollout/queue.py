@@ -41,13 +41,12 @@ class RolloutQueue:
             step, rollouts.weight_version, cfg.grpo.max_staleness)
         return prompts, rollouts
 
-    def refill(self, step: int, round_: int) -> tuple[list[Prompt], Rollouts]:
-        """Dynamic sampling's extra draw: its own RNG per (seed, step, round), outside the main prompt stream
-        (a dataset's epoch position included), so the step's prompts do not depend on max_staleness; sampled
-        now, with the current weights."""
+    def refill(self, step: int, round_: int, n: int) -> tuple[list[Prompt], Rollouts]:
+        """Dynamic sampling's extra draw of ``n`` prompts (the groups still missing): its own RNG per (seed,
+        step, round), outside the main prompt stream (a dataset's epoch position included), so the step's
+        prompts do not depend on max_staleness; sampled now, with the current weights."""
         cfg = self.cfg
-        more = self.task.sample_extra_prompts(cfg.grpo.prompts_per_step,
-                                              generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
+        more = self.task.sample_extra_prompts(n, generator=random.Random(f"refill:{cfg.job.seed}:{step}:{round_}"))
         return more, self._submit(more, seed=REFILL_SEED_OFFSET * round_ + step).result()
 
     def _submit(self, prompts: list[Prompt], *, seed: int) -> Pending:

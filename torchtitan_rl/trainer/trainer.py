@@ -359,8 +359,10 @@ class Trainer:
         """
         # One normaliser for the global mini-batch: summed over micro-batches and ranks, the
         # per-micro-batch losses and gradients are the full mini-batch ones.
+        # Sequences: GRPO's mean counts those with a scored token; Dr. GRPO's constant counts every row.
+        seqs = mask_BL.shape[0] if grpo.loss_aggregation == "seq_mean_token_sum_norm" else (mask_BL.sum(dim=1) > 0).sum()
         counts = self._dp_sum(torch.stack([
-            mask_BL.sum(dtype=torch.float64), (mask_BL.sum(dim=1) > 0).sum().to(torch.float64)
+            mask_BL.sum(dtype=torch.float64), torch.as_tensor(seqs, dtype=torch.float64, device=mask_BL.device)
         ]))
         num_tokens, num_sequences = (int(c) for c in counts.tolist())
         if num_tokens == 0:

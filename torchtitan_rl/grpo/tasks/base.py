@@ -66,6 +66,10 @@ class Task(ABC):
     def describe(self, prompt: Prompt, completion_ids: list[int]) -> str:
         """One human-readable line (prompt, completion, target, reward) for logs."""
 
+    def completion_text(self, completion_ids: list[int]) -> str:
+        """What the model answered, for logs and samples (special tokens dropped)."""
+        return self.tokenizer.decode(completion_ids, skip_special_tokens=True)
+
     def correct(self, prompt: Prompt, completion_ids: list[int]) -> bool:
         """Whether the completion solves the prompt: held-out accuracy counts these."""
         return self.reward(prompt, completion_ids) >= 1.0

@@ -31,6 +31,19 @@ def load_chat_tokenizer(folder: str, *, field: str):
     return tokenizer
 
 
+def chat_prompt(tokenizer, question: str, answer: str, *, system_prompt: str, instruction: str) -> Prompt:
+    """``[system, user: question + instruction]`` in ``tokenizer``'s chat template, the generation prompt
+    appended (training's prompts and every named evaluation set's)."""
+    user = f"{question}\n{instruction}" if instruction else question
+    messages = [{"role": "user", "content": user}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already wrote the specials (e.g. <|im_start|>); adding a BOS again would double it.
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Prompt(token_ids=token_ids, text=text, target=answer)
+
+
 class ChatTask(Task):
     """Prompts are questions in the chat template; the reward checks the completion's final answer.
 
@@ -49,14 +62,8 @@ class ChatTask(Task):
 
     def make_prompt(self, question: str, answer: str) -> Prompt:
         """``question`` as the chat template renders it for the model to answer."""
-        user = f"{question}\n{self.instruction}" if self.instruction else question
-        messages = [{"role": "user", "content": user}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        # The template already wrote the specials (e.g. <|im_start|>); adding a BOS again would double it.
-        token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return Prompt(token_ids=token_ids, text=text, target=answer)
+        return chat_prompt(self.tokenizer, question, answer, system_prompt=self.system_prompt,
+                           instruction=self.instruction)
 
     def completion_text(self, completion_ids: list[int]) -> str:
         """What the model answered, as the rewards read it (special tokens such as <|im_end|> dropped)."""

@@ -37,25 +37,31 @@ def answer_text(raw) -> str:
     return text.replace(",", "") if _THOUSANDS.match(text) else text
 
 
-def read_records(path: str, *, field: str, prompt_field: str, answer_field: str) -> list[tuple[str, str]]:
-    """(question, answer) pairs of a .jsonl/.json or .parquet file; ValueError naming file, line and field."""
+def read_records(path: str, *, field: str, prompt_field: str, answer_field: str, fields: str = "task",
+                 split: str = "") -> list[tuple[str, str]]:
+    """(question, answer) pairs of a .jsonl/.json or .parquet file, or of a folder datasets' save_to_disk
+    wrote (``split``: the one to read of several); ValueError naming the config field (``field``, or
+    ``fields``.prompt_field / .answer_field), the file and the line."""
     file = Path(path)
-    if not file.is_file():
+    columns = (prompt_field, answer_field)
+    if file.is_dir():
+        rows = _saved_dataset_rows(file, field=field, split=split, columns=columns, fields=fields)
+    elif not file.is_file():
         raise ValueError(f"{field}: file not found: {path}")
-    if file.suffix == ".parquet":
-        rows = _parquet_rows(file, field=field, columns=(prompt_field, answer_field))
+    elif file.suffix == ".parquet":
+        rows = _parquet_rows(file, field=field, columns=columns, fields=fields)
     elif file.suffix in (".jsonl", ".json"):
         rows = _jsonl_rows(file, field=field)
     else:
-        raise ValueError(f"{field}: {path}: expected a .jsonl or .parquet file")
+        raise ValueError(f"{field}: {path}: expected a .jsonl or .parquet file, or a datasets folder")
     records = []
     for where, row in rows:
-        for key, name in ((prompt_field, "task.prompt_field"), (answer_field, "task.answer_field")):
+        for key, name in ((prompt_field, f"{fields}.prompt_field"), (answer_field, f"{fields}.answer_field")):
             if row.get(key) is None:
                 raise ValueError(f"{name}: {where} has no field {key!r} (fields: {', '.join(sorted(row))})")
         answer = answer_text(row[answer_field])
         if not answer:
-            raise ValueError(f"task.answer_field: {where}: empty answer in {answer_field!r}")
+            raise ValueError(f"{fields}.answer_field: {where}: empty answer in {answer_field!r}")
         records.append((str(row[prompt_field]), answer))
     if not records:
         raise ValueError(f"{field}: {path} holds no records")
@@ -63,20 +69,25 @@ def read_records(path: str, *, field: str, prompt_field: str, answer_field: str)
 
 
 def _jsonl_rows(file: Path, *, field: str):
-    with file.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{field}: {file}:{number}: invalid JSON: {e.msg}") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{field}: {file}:{number}: expected a JSON object, got {type(row).__name__}")
-            yield f"{file}:{number}", row
+    try:
+        with file.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{field}: {file}:{number}: invalid JSON: {e.msg}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{field}: {file}:{number}: expected a JSON object, got {type(row).__name__}")
+                yield f"{file}:{number}", row
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{field}: {file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except PermissionError:
+        raise ValueError(f"{field}: {file}: not readable (permission denied)") from None
 
 
-def _parquet_rows(file: Path, *, field: str, columns: tuple[str, ...]):
+def _parquet_rows(file: Path, *, field: str, columns: tuple[str, ...], fields: str):
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -85,11 +96,35 @@ def _parquet_rows(file: Path, *, field: str, columns: tuple[str, ...]):
         table = pq.read_table(file)
     except Exception as e:  # pyarrow raises its own error types for a damaged file
         raise ValueError(f"{field}: {file}: not a readable Parquet file: {e}") from None
-    for name, key in zip(("task.prompt_field", "task.answer_field"), columns):
+    yield from _table_rows(table, file=str(file), columns=columns, fields=fields)
+
+
+def _table_rows(table, *, file: str, columns: tuple[str, ...], fields: str):
+    """Rows of a pyarrow table, after checking it has both columns."""
+    for name, key in zip((f"{fields}.prompt_field", f"{fields}.answer_field"), columns):
         if key not in table.column_names:
             raise ValueError(f"{name}: {file} has no column {key!r} (columns: {', '.join(table.column_names)})")
     for number, row in enumerate(table.select(list(columns)).to_pylist(), 1):
         yield f"{file} row {number}", row
+
+
+def _saved_dataset_rows(folder: Path, *, field: str, split: str, columns: tuple[str, ...], fields: str):
+    """Rows of a folder written by datasets' ``save_to_disk`` (a Dataset, or a DatasetDict's ``split``)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{field}: reading the folder {folder} needs datasets (pip install datasets)") from None
+    try:
+        data = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise ValueError(f"{field}: {folder}: not a folder datasets' save_to_disk wrote ({e})") from None
+    if isinstance(data, datasets.DatasetDict):
+        name = split or (next(iter(data)) if len(data) == 1 else None)
+        if name not in data:
+            raise ValueError(f"{fields}.split: {folder} holds splits {sorted(data)}; name one"
+                             + (f" (got {split!r})" if split else ""))
+        data = data[name]
+    yield from _table_rows(data.data.table, file=str(folder), columns=columns, fields=fields)
 
 
 def split_heldout(records: list[tuple[str, str]], fraction: float) -> tuple[list, list]:
