@@ -22,8 +22,8 @@ from torchtitan_rl.grpo.tasks.digits import DigitsTask
 from torchtitan_rl.trainer import checkpoint
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
-FILL_AT_STEP, ROWS = 2, 8 * 8
-"""The filling task fills the disk during this step's rewards (prompts_per_step 8 x group_size 8 a step)."""
+FILL_AT_STEP = 2
+"""The filling task fills the disk during this step's rewards."""
 
 
 def _mount(*args: str) -> None:
@@ -73,16 +73,19 @@ def fill(disk: Path, *, leave: int) -> None:
 
 
 class FillingDigits(DigitsTask):
-    """The digits task, whose rewards of step FILL_AT_STEP fill $FILL_DISK, leaving $FILL_LEAVE bytes."""
+    """The digits task, whose first reward of step FILL_AT_STEP (once metrics.jsonl holds the earlier steps'
+    lines) fills $FILL_DISK, leaving $FILL_LEAVE bytes."""
 
     def __init__(self) -> None:
         super().__init__(mode="copy")
-        self.calls = 0
+        self.filled = False
 
     def reward(self, prompt, completion_ids):
-        self.calls += 1
-        if self.calls == FILL_AT_STEP * ROWS + 1:
-            fill(Path(os.environ["FILL_DISK"]), leave=int(os.environ["FILL_LEAVE"]))
+        disk = Path(os.environ["FILL_DISK"])
+        metrics = disk / "out" / "latest" / "metrics.jsonl"
+        if not self.filled and metrics.is_file() and len(metrics.read_text().splitlines()) >= FILL_AT_STEP:
+            fill(disk, leave=int(os.environ["FILL_LEAVE"]))
+            self.filled = True
         return super().reward(prompt, completion_ids)
 
 
