@@ -1,18 +1,20 @@
 """export.py: the policy as an HF folder that transformers and vLLM's own model classes load unmodified."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run_module
+from tests.helpers import REPO, run_module
 from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_trainer, shape_of
 from tests.trainer.helpers import make_batch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GRPOConfig, JobConfig, LoRAConfig, write_toml
 from torchtitan_rl.engine.generator import build_engine
 from torchtitan_rl.export import export_hf
+from torchtitan_rl.grpo.tasks.digits import DigitsTask, build_digits_tokenizer
 
 FAMILIES = ["qwen3", "llama"]
 
@@ -135,8 +137,6 @@ def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
 
 def test_export_carries_the_checkpoint_tokenizer_and_chat_template(tiny_hf_checkpoint, smollm2_dir, tmp_path):
     """A checkpoint's tokenizer, chat template and generation config travel into the export."""
-    import shutil
-
     from transformers import AutoTokenizer
 
     from torchtitan_rl.export import TOKENIZER_FILES
@@ -197,6 +197,93 @@ def test_export_skips_a_damaged_checkpoint_and_writes_readable_files(tmp_path, c
     os.umask(umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "newest").iterdir()}
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+class DeletingDigits(DigitsTask):
+    """The digits task, whose first reward deletes the run's model folder (model.hf_checkpoint): moved mid-run."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        super().__init__(mode="copy")
+        self.source = tokenizer_dir
+
+    def reward(self, prompt, completion_ids):
+        if self.source is not None:
+            shutil.rmtree(self.source)
+            self.source = None
+        return super().reward(prompt, completion_ids)
+
+
+def deleting_digits(tokenizer_dir: str) -> DeletingDigits:
+    return DeletingDigits(tokenizer_dir)
+
+
+@pytest.mark.slow  # a real 2-step run (vLLM's start-up): ~20 s on 2 cores
+def test_a_model_folder_deleted_mid_run_still_exports_its_tokenizer(tiny_hf_checkpoint, tmp_path):
+    """The run's export_files/ (written at its start) gives the end-of-run export and a later export command the
+    tokenizer, chat template and config of a model folder that no longer exists."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    from torchtitan_rl import simple_grpo
+    from torchtitan_rl.config import load_toml
+    from torchtitan_rl.export import export_checkpoint
+
+    source = tmp_path / "ckpt"  # the tiny Llama's weights with the digits tokenizer and a chat template
+    shutil.copytree(tiny_hf_checkpoint("llama"), source)
+    PreTrainedTokenizerFast(tokenizer_object=build_digits_tokenizer(), eos_token="<eos>",
+                            pad_token="<pad>").save_pretrained(source)
+    (source / "chat_template.jinja").write_text("{% for m in messages %}<bos>{{ m['content'] }}={% endfor %}")
+    messages = [{"role": "user", "content": "123"}]
+    want = AutoTokenizer.from_pretrained(source).apply_chat_template(messages, tokenize=False)
+    generation_config = (source / "generation_config.json").read_text()
+    cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
+    cfg.job.output_dir, cfg.job.export, cfg.model.hf_checkpoint = str(tmp_path / "out"), True, str(source)
+    cfg.grpo.task, cfg.grpo.prompts_per_step, cfg.trainer.steps = "tests.test_export:deleting_digits", 8, 2
+    cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
+    simple_grpo.run(cfg)
+    assert not source.exists()
+
+    run = tmp_path / "out" / "run-1"
+    for out in (run / "hf", export_checkpoint(run, out=tmp_path / "later")):
+        assert want == "<bos>123=" and AutoTokenizer.from_pretrained(out).apply_chat_template(
+            messages, tokenize=False) == want
+        assert (out / "generation_config.json").read_text() == generation_config
+        assert AutoModelForCausalLM.from_pretrained(out).config.architectures == ["LlamaForCausalLM"]
+
+
+def test_the_digits_task_exports_a_tokenizer_that_round_trips(tmp_path, capsys):
+    """cpu_tiny (no model folder): the digits tokenizer is kept as an HF tokenizer; AutoTokenizer on the export
+    gives the task's own token ids and texts back. An export without any tokenizer says so in one line."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from torchtitan_rl.config import load_toml
+    from torchtitan_rl.export import snapshot
+    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.models.shape import build_titan_model
+
+    cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
+    task = run_task(cfg)
+    shape = run_shape(cfg, task)
+    files = snapshot(tmp_path / "run", cfg=cfg, task=task, shape=shape)
+    state = dict(build_titan_model(shape, seed=0).named_parameters())
+    out = export_hf(state, shape=shape, out_dir=tmp_path / "hf", tokenizer_dir=files, hf_checkpoint=files)
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) == task.vocab_size == shape.vocab_size
+    for prompt in task.sample_prompts(5, generator=random.Random(0)):
+        assert tokenizer(prompt.text, add_special_tokens=False)["input_ids"] == prompt.token_ids
+        completion = prompt.target + [task.eos_id]
+        assert tokenizer.decode(completion) == task.tokenizer.decode(completion, skip_special_tokens=False)
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (task.eos_id, task.pad_id)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"]) == (task.eos_id, task.pad_id)
+
+    capsys.readouterr()
+    export_hf(state, shape=shape, out_dir=tmp_path / "bare")
+    assert capsys.readouterr().out.splitlines() == [
+        f"torchtitan_rl: export: {tmp_path / 'bare'} has no tokenizer (the run had none): transformers and vLLM "
+        "load its weights only with a tokenizer folder given beside it"]
 
 
 def test_a_random_model_on_another_checkpoints_tokenizer_exports_its_own_shape(smollm2_dir, tmp_path):

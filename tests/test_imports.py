@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_rl"
 
 # Scripts users run; they only wire library code, and no module imports them.
-ENTRY_SCRIPTS = {"torchtitan_rl.simple_grpo", "torchtitan_rl.serve", "torchtitan_rl.evaluate"}
+ENTRY_SCRIPTS = {"torchtitan_rl.simple_grpo", "torchtitan_rl.serve", "torchtitan_rl.evaluate", "torchtitan_rl.launch"}
 
 
 def module_name(path: Path) -> str:

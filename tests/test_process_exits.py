@@ -1,10 +1,12 @@
-"""How a torchrun job ends: a signal or a dead rank stops every rank within seconds, with one line for the job.
+"""How a multi-process job ends: a signal or a dead rank stops every rank within seconds, with one line for the job.
 
 The 3-process layout of the README (weight_sync.transport nccl: 2 trainer
-ranks + 1 generator rank, gloo on CPU) run by torchrun as a user runs it;
-each fault is caused for real: SIGINT to the whole process group (Ctrl-C in
-a terminal), SIGTERM to torchrun (a scheduler), kill -9 of one rank. A slow
-rank is a task (defined below) whose reward sleeps on rank 0.
+ranks + 1 generator rank, gloo on CPU) run by our launcher (torchrun's agent,
+launch.py) as a user runs it; each fault is caused for real: SIGINT to the
+whole process group (Ctrl-C in a terminal), SIGTERM to the launcher (a
+scheduler), kill -9 of one rank. A slow rank is a task (defined below) whose
+reward sleeps on rank 0. The launcher adds no traceback and no report of its
+own when a rank said why; torchrun itself still does (the last test).
 """
 
 import os
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -46,9 +49,9 @@ def slow_rank0_digits() -> SlowRank0Digits:
     return SlowRank0Digits()
 
 
-def _start(tmp_path: Path, nproc: int, *extra: str) -> subprocess.Popen:
+def _start(tmp_path: Path, nproc: int, *extra: str, launcher: str = "torchtitan_rl.launch") -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+        sys.executable, "-m", launcher, "--nproc-per-node", str(nproc), "--master-port",
         str(free_port()), "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY),
         "--job.output_dir", str(tmp_path), "--grpo.prompts_per_step", "8", *extra,
     ]
@@ -58,22 +61,36 @@ def _start(tmp_path: Path, nproc: int, *extra: str) -> subprocess.Popen:
 
 
 def _our_lines(stderr: str) -> list[str]:
-    """What the ranks said about the end (torchrun's own report, its SignalException or ChildFailedError, and
-    the libraries' start-up warnings left out): their torchtitan_rl lines and any traceback line."""
-    return [line for line in stderr.splitlines()
-            if line.startswith("torchtitan_rl:") or (line.startswith("[rank") and "Traceback" in line)]
+    """What the job said about its end (the libraries' start-up warnings left out): the torchtitan_rl lines and
+    any traceback line, the ranks' or the launcher's."""
+    return [line for line in stderr.splitlines() if line.startswith("torchtitan_rl:") or "Traceback" in line]
+
+
+@contextmanager
+def _reaped(proc: subprocess.Popen):
+    """Whatever the block asserts, no process of the job outlives it."""
+    try:
+        yield
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _wait_training(proc: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + 300
+    metrics = out / "latest" / "metrics.jsonl"  # runs.py: the run's folder is output_dir/latest
+    while not metrics.exists() or not metrics.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigint_group", "sigterm_torchrun", "kill_trainer_rank_1"])
 def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_path, fault):
     proc = _start(tmp_path, 3, "--weight_sync.transport", "nccl", "--trainer.steps", "500")
-    try:
-        deadline = time.monotonic() + 300
-        metrics = tmp_path / "latest" / "metrics.jsonl"  # runs.py: the run's folder is output_dir/latest
-        while not metrics.exists() or not metrics.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.2)  # training: every rank is in its loop (the generator serving, the trainers waiting)
+    with _reaped(proc):
+        _wait_training(proc, tmp_path)  # every rank is in its loop (the generator serving, the trainers waiting)
         ranks = psutil.Process(proc.pid).children()
         assert len(ranks) == 3
         t0 = time.monotonic()
@@ -88,10 +105,6 @@ def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_p
         ended_s = time.monotonic() - t0
         assert not alive, f"{fault}: ranks {[p.pid for p in alive]} still running after {EXIT_S} s"
         _, stderr = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     lines = _our_lines(stderr)
     print(f"{fault}: every rank ended {ended_s:.2f} s after the fault; {lines}")
     assert len(lines) == 1, stderr[-5000:]
@@ -101,6 +114,7 @@ def test_fault_in_the_nccl_layout_ends_every_rank_within_5_s_with_one_line(tmp_p
         "kill_trainer_rank_1": "rank 1 (pid",
     }[fault]
     assert expected in lines[0], lines[0]
+    assert proc.returncode == {"sigint_group": 130, "sigterm_torchrun": 143, "kill_trainer_rank_1": 1}[fault]
 
 
 def _environ(process: psutil.Process) -> str:
@@ -114,13 +128,9 @@ def test_collective_timeout_comes_from_the_config(tmp_path):
     t0 = time.monotonic()
     proc = _start(tmp_path, 2, "--trainer.steps", "2", "--trainer.collective_timeout_s", "3",
                   "--grpo.task", "tests.test_process_exits:slow_rank0_digits")
-    try:
+    with _reaped(proc):
         _, stderr = proc.communicate(timeout=SlowRank0Digits.SLOW_S + 120)
         ended_s = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
     lines = _our_lines(stderr)
     assert proc.returncode != 0
     assert ended_s < SlowRank0Digits.SLOW_S, "the job waited for rank 0's slow step instead of timing out"
@@ -140,7 +150,50 @@ def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
     assert proc.returncode != 0
     assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank "), stderr[-3000:]
     assert f"export: {taken} exists and is not empty" in lines[0]
-    assert "exitcode  : 2" in stderr  # torchrun's report of the first rank
+    assert proc.returncode == 2 and "ChildFailedError" not in stderr
+
+
+def test_torchrun_itself_adds_its_report_and_traceback(tmp_path):
+    """Why the README launches with torchtitan_rl.launch: the same user error under torchrun ends in its
+    ChildFailedError traceback (the ranks' line is there too, and the exit code is 1, not 2)."""
+    taken = tmp_path / "export"
+    taken.mkdir()
+    (taken / "model.safetensors").write_text("someone else's")
+    proc = _start(tmp_path, 2, "--job.export_dir", str(taken), launcher="torch.distributed.run")
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "ChildFailedError" in stderr and "exitcode  : 2" in stderr
+    assert "Traceback" in stderr
+
+
+@pytest.mark.slow  # a real engine's start-up: ~15 s
+def test_sigterm_to_a_single_process_run_is_one_line_exit_143(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
+         str(tmp_path), "--grpo.prompts_per_step", "8", "--trainer.steps", "500"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with _reaped(proc):
+        _wait_training(proc, tmp_path)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert _our_lines(stderr) == ["torchtitan_rl: interrupted (SIGTERM)"], stderr[-3000:]
+    assert proc.returncode == 143
+
+
+@pytest.mark.slow  # a real engine's start-up: ~15 s
+def test_a_rank_killed_before_it_could_say_why_gets_one_line_from_the_launcher(tmp_path):
+    """kill -9 of the only rank: nobody is left to say it, so the launcher names the rank and the signal."""
+    proc = _start(tmp_path, 1, "--trainer.steps", "500")
+    with _reaped(proc):
+        _wait_training(proc, tmp_path)
+        (rank,) = psutil.Process(proc.pid).children()
+        rank.kill()
+        _, stderr = proc.communicate(timeout=60)
+    lines = _our_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"torchtitan_rl: rank 0 (pid {rank.pid}) was killed by SIGKILL"), \
+        stderr[-3000:]
+    assert proc.returncode == 137
 
 
 @pytest.mark.slow  # torchrun start-up and a real engine: 13-15 s
@@ -153,4 +206,4 @@ def test_a_user_error_rank_0_finds_ends_the_other_ranks_quietly(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank 0: --resume: nothing to resume"), \
         stderr[-3000:]
     assert not out.exists()  # no error_rank1.txt with a SystemExit traceback
-    assert "exitcode  : 1" not in stderr
+    assert proc.returncode == 2

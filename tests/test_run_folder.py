@@ -102,11 +102,24 @@ def test_a_run_whose_engine_cannot_start_names_the_field_and_leaves_latest_on_th
     cfg = _config(tmp_path, steps=4)
     publish(plan_run(cfg).folder)
     cfg.generator.kv_cache_memory_gb = 1e-5
-    with pytest.raises(ValueError, match=r"^generator\.kv_cache_memory_gb: too little memory for the engine's KV"):
+    with pytest.raises(ValueError, match=r"^generator\.kv_cache_memory_gb: too little memory for the engine's KV") as e:
         simple_grpo.run(cfg)
     gc.collect()
     assert (tmp_path / "run-2" / "config.toml").is_file()  # the failed start's own folder, kept for its config
+    assert f"[this start left {tmp_path / 'run-2'} holding config.toml" in str(e.value)  # named in the one line
+    assert str(e.value).endswith("; --resume stays on run-1]")
     assert (tmp_path / "latest").resolve() == (tmp_path / "run-1").resolve()
+
+
+def test_a_model_folder_without_weights_is_refused_before_a_run_folder_exists(tmp_path, tiny_hf_checkpoint):
+    folder = tmp_path / "tokenizer_only"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_hf_checkpoint("qwen3") / "config.json").read_text())
+    cfg = _config(tmp_path / "out", steps=4)
+    cfg.model.hf_checkpoint, cfg.grpo.task = str(folder), "digits"
+    with pytest.raises(ValueError, match=rf"^model.hf_checkpoint: no \*.safetensors files in {folder}"):
+        simple_grpo.run(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -143,3 +156,36 @@ def test_the_same_command_twice_keeps_both_runs_and_resume_continues_the_newest(
     os.umask(umask)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
     assert modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def _finished_run(run: Path, cfg: JobConfig) -> None:
+    """A run folder as a run of ``cfg`` leaves it at its end: config.toml and its final checkpoint (tiny trainer)."""
+    import torch
+
+    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.trainer import Trainer
+
+    trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=run_shape(cfg, run_task(cfg)), seed=0,
+                      device=torch.device("cpu"), output_dir=run)
+    write_toml(cfg, run / "config.toml")
+    trainer.save_checkpoint(cfg.trainer.steps, files={"config.toml": (run / "config.toml").read_text()})
+    publish(run)
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_extending_a_finished_async_run_says_its_new_steps_draw_other_rollouts(tmp_path, capsys, staleness):
+    """An asynchronous run requests no rollouts past its last step; --resume with more steps draws them with
+    newer weights than a longer run straight through would have: the resume line says so (sync runs: nothing)."""
+    cfg = _config(tmp_path, steps=4)
+    cfg.grpo.max_staleness = staleness
+    (tmp_path / "run-1").mkdir(parents=True)
+    _finished_run(tmp_path / "run-1", cfg)
+    capsys.readouterr()
+    cfg.trainer.steps, cfg.resume = 10, True
+    plan_run(cfg)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith(f"torchtitan_rl: resuming {tmp_path / 'run-1'} from step-4"), line
+    if staleness:
+        assert "never drew the rollouts of steps 4..5" in line and "differ from a 10-step run straight through" in line
+    else:
+        assert line == f"torchtitan_rl: resuming {tmp_path / 'run-1'} from step-4"

@@ -1,5 +1,6 @@
 """What every command of this package does with a user's mistake, a signal, or a failed torchrun rank."""
 
+import json
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+from tqdm import tqdm
+
 _KEY = "torchtitan_rl/exit"
 """Store keys of the exit protocol: the first failure's line, every rank's host and pid."""
 
@@ -18,15 +21,28 @@ _KEY = "torchtitan_rl/exit"
 @contextmanager
 def one_line_errors():
     """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2;
-    Ctrl-C with one line, exit 130."""
+    Ctrl-C (SIGINT) or SIGTERM with one line, exit 128 + the signal's number. The block's ``finally`` clauses
+    run (an engine shuts down) before the process ends."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     except ValueError as e:
         print(f"torchtitan_rl: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:
-        print("torchtitan_rl: interrupted (SIGINT)", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        print(f"torchtitan_rl: interrupted ({signum.name})", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 class RankExits:
@@ -136,7 +152,15 @@ class RankExits:
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
         if first == line:
-            print(line, file=sys.stderr, flush=True)
+            # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing)
+            bar_open = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
+            print(("\n" if bar_open else "") + line, file=sys.stderr, flush=True)
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
+            try:
+                Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+            except OSError:
+                pass
         sys.stdout.flush()
         os._exit(code)
 

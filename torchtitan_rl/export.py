@@ -4,8 +4,9 @@
 
 The folder holds ``model.safetensors`` (HF names and layout), ``config.json``
 under the family's real architecture (Qwen3ForCausalLM, LlamaForCausalLM),
-``generation_config.json``, and the tokenizer files and chat template of
-``model.hf_checkpoint`` when the run had one. Weights are written in the
+``generation_config.json``, and the tokenizer files and chat template, all
+taken from the run's own ``export_files/`` (``snapshot``, written when the run
+started), so a moved or deleted ``model.hf_checkpoint`` changes nothing. Weights are written in the
 run's ``model.dtype`` (bf16 by default): the weights the generator served
 and the trainer computed with, cast from the fp32 masters. A LoRA run's
 adapters are merged, ``W + alpha/r * B @ A`` in fp32, then cast.
@@ -23,14 +24,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from torchtitan_rl.cli import one_line_errors
 from torchtitan_rl.config import LoRAConfig, load_toml
 from torchtitan_rl.config.validation import tokenizer_dir
+from torchtitan_rl.disk import refused, write_error
 from torchtitan_rl.distributed.dtensor import full
 from torchtitan_rl.folders import complete_or_absent
 from torchtitan_rl.job import run_shape, run_task
-from torchtitan_rl.models.families import to_hf
+from torchtitan_rl.models.families import shape_from_hf_config, to_hf
 from torchtitan_rl.models.lora import apply_lora, merged_state
 from torchtitan_rl.models.shape import ModelShape, build_titan_model, qkv_views, titan_config
 from torchtitan_rl.runs import run_to_resume
@@ -41,6 +45,64 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
 """Files copied from model.hf_checkpoint: the tokenizer and its chat template."""
+
+
+SNAPSHOT = "export_files"
+"""Folder of a run, written at its start beside config.toml: what its export needs beside the weights
+(config.json, generation_config.json, the tokenizer files and chat template), so that an export never
+depends on model.hf_checkpoint or task.tokenizer still being where they were."""
+
+
+def snapshot(run: Path, *, cfg, task, shape: ModelShape) -> Path:
+    """Write ``run``/export_files (rank 0, at the start of a run; a resumed run keeps the one it has).
+
+    config.json is model.hf_checkpoint's, else the flavor's shape with the task's special token ids; the
+    tokenizer files come from task.tokenizer or model.hf_checkpoint, else the task's own tokenizer is saved
+    as a Hugging Face tokenizer (the digits task's). One line when a run has no tokenizer to include."""
+    folder = run / SNAPSHOT
+    if folder.is_dir():
+        return folder
+    model_dir, tok_dir = cfg.model.hf_checkpoint, tokenizer_dir(cfg)
+    with complete_or_absent(folder) as tmp:
+        if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+            shutil.copy(Path(model_dir) / "config.json", tmp)
+        else:
+            ids = {"eos_token_id": task.eos_id, "pad_token_id": task.pad_id}
+            (tmp / "config.json").write_text(json.dumps({**shape.to_hf_config(dtype=cfg.model.dtype), **ids}, indent=2))
+        for source in dict.fromkeys(d for d in (tok_dir, model_dir) if d is not None):
+            if (Path(source) / "generation_config.json").is_file():
+                shutil.copy(Path(source) / "generation_config.json", tmp)
+                break
+        if tok_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tok_dir) / name).is_file():
+                    shutil.copy(Path(tok_dir) / name, tmp)
+        else:
+            _save_task_tokenizer(task, tmp)
+    if not has_tokenizer(folder):
+        print(f"torchtitan_rl: {folder}: no tokenizer to keep for the export (grpo.task's tokenizer is a "
+              f"{type(task.tokenizer).__name__}, not a tokenizers.Tokenizer or a transformers tokenizer)")
+    return folder
+
+
+def _save_task_tokenizer(task, folder: Path) -> None:
+    """The task's own tokenizer as Hugging Face files that AutoTokenizer loads (tokenizer.json + its config)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    tokenizer = task.tokenizer
+    if isinstance(tokenizer, Tokenizer):
+        specials = {"eos_token": tokenizer.id_to_token(task.eos_id), "pad_token": tokenizer.id_to_token(task.pad_id)}
+        for name, token in (("bos_token", "<bos>"), ("unk_token", "<unk>")):  # the digits task's, if it has them
+            if tokenizer.token_to_id(token) is not None:
+                specials[name] = token
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        tokenizer.save_pretrained(folder)
+
+
+def has_tokenizer(folder: Path | None) -> bool:
+    return folder is not None and any((Path(folder) / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
 
 
 def check_target(out_dir: str | Path) -> Path:
@@ -89,8 +151,20 @@ def export_hf(
     expected = _expected_hf_shapes(shape)
     assert {k: tuple(v.shape) for k, v in hf_state.items()} == expected, "exported tensors differ from the HF model's"
 
-    from safetensors.torch import save_file
+    try:
+        _write_folder(out, hf_state, shape=shape, tokenizer_dir=tokenizer_dir, hf_checkpoint=hf_checkpoint, dtype=dtype)
+    except (OSError, SafetensorError) as e:
+        why = refused(e, out)
+        if why is None:
+            raise
+        raise write_error(out, why, doing="exporting", kept=f"nothing written there ({out.name}.partial removed); "
+                          "the run's checkpoints are untouched and `python -m torchtitan_rl.export` writes it again "
+                          "elsewhere") from None
+    return out
 
+
+def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir, hf_checkpoint, dtype: str) -> None:
+    """The export's files, all or none (folders.complete_or_absent)."""
     with complete_or_absent(out) as tmp:
         save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
         # The model's own config.json (model.hf_checkpoint), never the tokenizer folder's: task.tokenizer may
@@ -107,7 +181,10 @@ def export_hf(
             if source is not None and (source / name).is_file():
                 shutil.copy(source / name, tmp)
         _readable_as_usual(tmp)
-    return out
+    if not has_tokenizer(out):
+        where = f"none in {source}" if source else "the run had none"
+        print(f"torchtitan_rl: export: {out} has no tokenizer ({where}):"
+              " transformers and vLLM load its weights only with a tokenizer folder given beside it")
 
 
 def _readable_as_usual(folder: Path) -> None:
@@ -162,15 +239,21 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
             raise ValueError(f"export: --step {step}: no complete checkpoint step-{step} in {folder} (have {have})")
         if (why := checkpoint.verify(path)) is not None:
             raise ValueError(f"export: --step {step}: {path} is damaged: {why}")
-    shape = run_shape(cfg, run_task(cfg))
+    files = model_files = run / SNAPSHOT
+    if files.is_dir():  # the run's own copy: model.hf_checkpoint and task.tokenizer may have moved since
+        config = files / "config.json"
+        shape = shape_from_hf_config(json.loads(config.read_text()), where=f"export: {config}")
+    else:  # a run from before export_files: its sources must still be there
+        files, model_files = tokenizer_dir(cfg), cfg.model.hf_checkpoint
+        shape = run_shape(cfg, run_task(cfg))
     model = build_titan_model(shape, seed=cfg.job.seed)  # every parameter is then read from the checkpoint
     if cfg.model.lora.rank:
         apply_lora(model, cfg.model.lora)
     print(f"torchtitan_rl: exporting {path}", file=sys.stderr)
     checkpoint.load_model(path, model=model)
     return export_hf(
-        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=tokenizer_dir(cfg),
-        lora=cfg.model.lora, dtype=cfg.model.dtype, hf_checkpoint=cfg.model.hf_checkpoint,
+        dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=files, hf_checkpoint=model_files,
+        lora=cfg.model.lora, dtype=cfg.model.dtype,
     )
 
 

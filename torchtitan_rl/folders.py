@@ -11,12 +11,17 @@ def complete_or_absent(out: Path) -> Iterator[Path]:
     """A scratch folder that becomes ``out`` only when the block finishes.
 
     A killed writer leaves ``out`` as it was (absent or empty: callers check)
-    and only ``<out>.partial`` behind, which the next attempt clears.
+    and only ``<out>.partial`` behind, which the next attempt clears; a writer
+    that fails with an exception (a full disk) leaves no ``.partial``.
     """
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         out.rmdir()  # empty, as the caller checked
     tmp.rename(out)

@@ -1,9 +1,13 @@
 """What a run shows: JSONL + TensorBoard per step, a PNG plot and a summary at the end."""
 
+import contextlib
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
+
+from torchtitan_rl.disk import REFUSED, free_space, human, refused, write_error
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -63,15 +67,21 @@ class MetricsLogger:
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.output_dir.mkdir(parents=True, exist_ok=True)
             path = self.output_dir / "metrics.jsonl"
-            if resume_step is not None:
-                for record in _keep_before(path, resume_step):
-                    is_eval = any(key.startswith("eval_") for key in record)
-                    (self.eval_history if is_eval else self.history).append(record)
-                _keep_before(self.output_dir / "samples.jsonl", resume_step)
-            self._jsonl = open(path, "a")
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=resume_step)
+            with self._refusals(path, doing="opening the run's metrics"):
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                if resume_step is not None:
+                    for record in _keep_before(path, resume_step):
+                        is_eval = any(key.startswith("eval_") for key in record)
+                        (self.eval_history if is_eval else self.history).append(record)
+                    _keep_before(self.output_dir / "samples.jsonl", resume_step)
+                # Unbuffered: a write the disk refuses is cut back to the last whole line, and no buffer is left
+                # to fail again when the file is closed.
+                self._jsonl = open(path, "ab", buffering=0)
+                self._tb = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=resume_step)
+            if threading.excepthook is not _quiet_event_writer:
+                _quiet_event_writer.previous = threading.excepthook
+                threading.excepthook = _quiet_event_writer
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._write(step, metrics, self.history, tb_key=lambda key: key)
@@ -86,21 +96,36 @@ class MetricsLogger:
         history.append(record)
         if not self.enabled:
             return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for key, value in metrics.items():
-            self._tb.add_scalar(tb_key(key), value, step)
+        path = self.output_dir / "metrics.jsonl"
+        with self._refusals(path, doing=f"writing step {step}'s metrics"):
+            _append_whole(self._jsonl, (json.dumps(record) + "\n").encode())
+            for key, value in metrics.items():
+                self._tb.add_scalar(tb_key(key), value, step)
         if self._wandb is not None:
             self._wandb.log({tb_key(key): value for key, value in metrics.items()}, step=step)
+
+    @contextlib.contextmanager
+    def _refusals(self, path: Path, *, doing: str):
+        """A write the file system refuses (full, read-only) as one ValueError: the lines already written are
+        whole, so a --resume from the newest checkpoint keeps them and trains the rest again."""
+        try:
+            yield
+        except OSError as e:
+            why = refused(e, path)
+            if why is None:
+                raise
+            self.enabled = False  # nothing more to write, nor to close: the file system said no
+            raise write_error(path, why, doing=doing, kept="the lines written before are whole (a --resume keeps "
+                              "them and trains the steps after its checkpoint again)") from None
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         """Sample completions of an evaluation (prompt, completion, reward, version): one line each in
         samples.jsonl, one text entry per evaluation in TensorBoard (and a table in W&B)."""
         if not self.enabled or not samples:
             return
-        with open(self.output_dir / "samples.jsonl", "a") as f:
-            for sample in samples:
-                f.write(json.dumps({"step": step, **sample}) + "\n")
+        path = self.output_dir / "samples.jsonl"
+        with self._refusals(path, doing=f"writing step {step}'s samples"), open(path, "ab", buffering=0) as f:
+            _append_whole(f, "".join(json.dumps({"step": step, **sample}) + "\n" for sample in samples).encode())
         text = "\n\n".join(
             f"**{s.get('set', '')} reward {s['reward']:.2f}, weights v{s['version']}**\n\n```\n{s['prompt']}\n---\n"
             f"{s['completion']}\n```"
@@ -132,8 +157,8 @@ class MetricsLogger:
     def sync(self) -> None:
         """Make every line written so far durable (before a checkpoint that counts on them)."""
         if self.enabled:
-            self._jsonl.flush()
-            os.fsync(self._jsonl.fileno())
+            with self._refusals(self.output_dir / "metrics.jsonl", doing="syncing the metrics before a checkpoint"):
+                os.fsync(self._jsonl.fileno())
 
     def close(self) -> Path | None:
         """Flush and draw reward and logprob mismatch over steps; returns the PNG path."""
@@ -142,7 +167,8 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self._jsonl.close()
-        self._tb.close()
+        with self._refusals(self.output_dir / "tensorboard", doing="closing the TensorBoard events"):
+            self._tb.close()
         if not self.history:
             return None
         import matplotlib
@@ -168,8 +194,17 @@ class MetricsLogger:
         bottom.legend()
         fig.tight_layout()
         path = self.output_dir / "reward_and_mismatch.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=100)
+        except OSError as e:  # the run's metrics are all written: the plot is a view of them
+            if refused(e, path) is None:
+                raise
+            path.unlink(missing_ok=True)
+            print(f"torchtitan_rl: {path}: not drawn, {refused(e, path)} ({human(free_space(path))} free there); "
+                  f"the metrics it shows are in {self.output_dir / 'metrics.jsonl'}")
+            return None
+        finally:
+            plt.close(fig)
         return path
 
 
@@ -186,9 +221,35 @@ def _keep_before(path: Path, step: int) -> list[dict]:
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < step:
             kept.append(record)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in kept)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in kept)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        tmp.unlink(missing_ok=True)  # path is as it was
+        raise
     os.replace(tmp, path)
     return kept
+
+
+def _quiet_event_writer(args) -> None:
+    """threading.excepthook: TensorBoard's writer thread dies silently when the file system refuses its write;
+    its event writer raises the same error on the main thread's next add_scalar, which says it in one line."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError) and \
+            args.exc_value.errno in REFUSED:
+        return
+    _quiet_event_writer.previous(args)
+
+
+def _append_whole(f, data: bytes) -> None:
+    """Append ``data`` to the unbuffered file ``f``, or nothing: a write the file system cut short is truncated
+    back, so the file never ends in half a line."""
+    start = f.seek(0, os.SEEK_END)
+    try:
+        done = 0
+        while done < len(data):
+            done += f.write(data[done:])
+    except OSError:
+        os.truncate(f.fileno(), start)
+        raise

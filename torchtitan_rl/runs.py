@@ -14,6 +14,8 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig, load_toml
 from torchtitan_rl.config.job_config import SECRETS
 from torchtitan_rl.config.validation import config_diff
+from torchtitan_rl.disk import refused, write_error
 from torchtitan_rl.trainer import checkpoint
 
 LATEST = "latest"
@@ -101,6 +104,25 @@ def publish(run: Path) -> None:
         _point_latest(run)
 
 
+@contextmanager
+def starting(plan: RunPlan) -> Iterator[None]:
+    """The start of a new run (trainer, generator, batch builder; until ``publish``): a user error on the way
+    removes the run folder if it is still empty, else names it and what it holds in its line; ``latest`` stays
+    on the run before. What only the engine can tell (room for vLLM's KV cache) fails here, not before run-N."""
+    try:
+        yield
+    except ValueError as e:
+        if plan.checkpoint is not None or dist.is_initialized() and dist.get_rank() != 0:
+            raise
+        left = sorted(p.name for p in plan.folder.iterdir())
+        if not left:  # nothing written yet: the run leaves no folder
+            plan.folder.rmdir()
+            raise
+        latest = plan.folder.parent / LATEST
+        before = f"--resume stays on {latest.resolve().name}" if latest.is_dir() else "no run to --resume"
+        raise ValueError(f"{e} [this start left {plan.folder} holding {', '.join(left)}; {before}]") from None
+
+
 def _point_latest(run: Path) -> None:
     link, tmp = run.parent / LATEST, run.parent / f".{LATEST}.{os.getpid()}"
     tmp.unlink(missing_ok=True)
@@ -110,8 +132,9 @@ def _point_latest(run: Path) -> None:
 
 def _resume(cfg: JobConfig, run: Path, step: int, path: Path, *, say) -> RunPlan:
     saved_config = path / "config.toml" if (path / "config.toml").is_file() else run / "config.toml"
-    if saved_config.is_file():
-        check_changes(load_toml(saved_config), cfg, since=f"step-{step}", say=say)
+    saved = load_toml(saved_config) if saved_config.is_file() else None
+    if saved is not None:
+        check_changes(saved, cfg, since=f"step-{step}", say=say)
     for moved in checkpoint.set_aside_newer(path.parent, step):
         say(f"torchtitan_rl: {moved.name}: set aside (steps after {step} are trained again)")
     if cfg.job.export and cfg.job.export_dir is None and (run / "hf").exists():  # the run ends again: a new export
@@ -121,8 +144,22 @@ def _resume(cfg: JobConfig, run: Path, step: int, path: Path, *, say) -> RunPlan
         say(f"torchtitan_rl: {run / 'hf'}: set aside as {aside.name} (the resumed run exports again)")
     if (run.parent / LATEST).is_symlink() and run.parent.joinpath(LATEST).resolve() != run:
         _point_latest(run)
-    say(f"torchtitan_rl: resuming {run} from {path.name}")
+    say(f"torchtitan_rl: resuming {run} from {path.name}{_extension_note(saved, cfg, step)}")
     return RunPlan(run, path)
+
+
+def _extension_note(saved: JobConfig | None, cfg: JobConfig, step: int) -> str:
+    """What the resume line adds when more steps extend an asynchronous run that had ended: its last steps
+    requested no rollouts past its end, so the new steps' first rollouts are drawn with newer weights than
+    a run of the new length straight through would have drawn them with (rollout/queue.py)."""
+    if saved is None or saved.grpo.max_staleness == 0 or cfg.trainer.steps <= saved.trainer.steps:
+        return ""
+    first, last = saved.trainer.steps, min(step - 1 + saved.grpo.max_staleness, cfg.trainer.steps - 1)
+    if last < first:  # a checkpoint before the end: its queue holds what a straight run would have drawn
+        return ""
+    return (f"; note: the run ended at step {saved.trainer.steps} and never drew the rollouts of steps "
+            f"{first}..{last}: they are drawn now with the step-{step} weights, so from step {first} on this run's "
+            f"samples differ from a {cfg.trainer.steps}-step run straight through (same algorithm, other draws)")
 
 
 def check_changes(saved: JobConfig, cfg: JobConfig, *, since: str, say=print) -> None:
@@ -153,8 +190,10 @@ def agree(cfg: JobConfig, *, store=None, generator: bool = False) -> RunPlan:
                 box[0] = plan_run(cfg)
             except ValueError as e:
                 box[0] = e
-            except OSError as e:  # e.g. no permission to create the run folder
-                box[0] = ValueError(f"job.output_dir: {e}")
+            except OSError as e:  # a read-only or full output folder: no run folder, nothing else touched
+                why = refused(e, Path(cfg.job.output_dir))
+                box[0] = (write_error(Path(cfg.job.output_dir), why, doing="creating the run folder",
+                                      kept="nothing written") if why else ValueError(f"job.output_dir: {e}"))
             if store is not None:
                 store.set(key, pickle.dumps(box[0]))
         dist.broadcast_object_list(box, src=0)

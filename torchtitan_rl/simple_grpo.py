@@ -13,7 +13,8 @@ from pathlib import Path
 
 from torchtitan_rl.cli import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
-from torchtitan_rl.config.validation import effective_task, redacted_dict, tokenizer_dir
+from torchtitan_rl.config.validation import effective_task, redacted_dict
+from torchtitan_rl.disk import refused, write_error
 
 DRY_RUN_TOML = "dry-run.toml"
 """What --dry-run writes into job.output_dir: the resolved config."""
@@ -22,8 +23,16 @@ DRY_RUN_TOML = "dry-run.toml"
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
     if cfg.dry_run:  # not config.toml: a folder holding one is a run folder to --resume (runs.run_to_resume)
-        write_toml(cfg, Path(cfg.job.output_dir) / DRY_RUN_TOML)
-        print(f"torchtitan_rl: config valid; written to {Path(cfg.job.output_dir) / DRY_RUN_TOML}")
+        path = Path(cfg.job.output_dir) / DRY_RUN_TOML
+        with one_line_errors():
+            try:
+                write_toml(cfg, path)
+            except OSError as e:
+                if (why := refused(e, path)) is None:
+                    raise
+                raise write_error(path, why, doing="writing the resolved config", kept="the config is valid; "
+                                  "pick a --job.output_dir you can write") from None
+        print(f"torchtitan_rl: config valid; written to {path}")
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: a signal or a failure ends every rank at once
         exits = RankExits()
@@ -60,6 +69,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.distributed.world import init_world
     from torchtitan_rl.engine.generator import check_sleep
+    from torchtitan_rl.export import snapshot
     from torchtitan_rl.grpo.builder import BatchBuilder
     from torchtitan_rl.grpo.eval_sets import load_eval_sets
     from torchtitan_rl.grpo.evaluate import Evaluator
@@ -68,7 +78,7 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.metrics import MetricsLogger, StepMetrics
     from torchtitan_rl.rollout.queue import RolloutQueue
     from torchtitan_rl.rollout.remote import serve
-    from torchtitan_rl.runs import agree, publish
+    from torchtitan_rl.runs import agree, publish, starting
     from torchtitan_rl.trainer import Trainer
 
     started = time.perf_counter()
@@ -88,6 +98,10 @@ def run(cfg: JobConfig) -> list[dict]:
         from torchtitan_rl.export import check_target
 
         check_target(cfg.job.export_dir)  # before agree(): a user error leaves no new run folder behind
+    if cfg.model.hf_checkpoint is not None:
+        from torchtitan_rl.models.hf_folder import check_weights
+
+        check_weights(cfg.model.hf_checkpoint, field="model.hf_checkpoint")  # also before agree()
     if cfg.weight_sync.transport == "nccl":
         # Before the Trainer, which then takes the trainer ranks' default group; the last R ranks generate.
         world = init_world(device.type, replicas=cfg.generator.parallelism.data_parallel_replicate_degree,
@@ -114,24 +128,32 @@ def run(cfg: JobConfig) -> list[dict]:
             device=device, output_dir=out, batch_invariant=cfg.batch_invariant_mode,
         )
 
-    with one_line_oom("the trainer's build"):
-        trainer = build_trainer()
-        reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
     rank = dist.get_rank()
-    assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks the rows split"
-    if rank == 0:
-        write_toml(cfg, out / "config.toml")
-        print(f"torchtitan_rl: run folder {out}")
     generator = None
     try:
-        with one_line_oom("the generator's start"):
-            generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
-        queue = RolloutQueue(cfg, generator=generator, task=task)
-        start = 0
-        if plan.checkpoint is not None:
-            queue.load_state_dict(trainer.load_checkpoint(plan.checkpoint), step=trainer.step)
-            start = trainer.step
-        builder = BatchBuilder(cfg, task=task, trainer=trainer, reference=reference, device=device)
+        with starting(plan):  # a start that fails names the run folder it leaves
+            with one_line_oom("the trainer's build"):
+                trainer = build_trainer()
+                reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy
+            assert cfg.grpo.prompts_per_step * cfg.grpo.group_size % trainer.dp_size == 0, "validate checks rows"
+            if rank == 0:
+                try:
+                    write_toml(cfg, out / "config.toml")
+                    snapshot(out, cfg=cfg, task=task, shape=shape)  # what the export needs, whatever moves later
+                except OSError as e:
+                    if (why := refused(e, out)) is None:
+                        raise
+                    raise write_error(out, why, doing="writing its config.toml and export_files",
+                                      kept="nothing trained") from None
+                print(f"torchtitan_rl: run folder {out}")
+            with one_line_oom("the generator's start"):
+                generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
+            queue = RolloutQueue(cfg, generator=generator, task=task)
+            start = 0
+            if plan.checkpoint is not None:
+                queue.load_state_dict(trainer.load_checkpoint(plan.checkpoint), step=trainer.step)
+                start = trainer.step
+            builder = BatchBuilder(cfg, task=task, trainer=trainer, reference=reference, device=device)
         if rank == 0:
             publish(out)  # everything stands: --resume now continues this run
         # A resume keeps the history before its step and drops what the lost steps logged: each step once.
@@ -194,7 +216,7 @@ def run(cfg: JobConfig) -> list[dict]:
 
         # Also for a resume of a finished run (start == steps): its final evaluation's line was dropped above.
         _finish(cfg, evaluator=evaluator, generator=generator,
-                trainer=trainer, logger=logger, shape=shape, export_dir=export_dir,
+                trainer=trainer, logger=logger, shape=shape, run=out, export_dir=export_dir,
                 summary=rank == 0, start=start, started=started)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
     finally:
@@ -231,17 +253,17 @@ def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
     return RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
 
-def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, export_dir, summary: bool, start: int,
-            started: float) -> None:
+def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run: Path, export_dir, summary: bool,
+            start: int, started: float) -> None:
     """After the last step: held-out accuracy of the trained weights, the export, the plot and a summary line."""
     if evaluator:
         final_evaluation(cfg, evaluator, generator, trainer, logger)
     if export_dir is not None:  # every trainer rank: sharded tensors are gathered
-        from torchtitan_rl.export import export_hf
+        from torchtitan_rl.export import SNAPSHOT, export_hf
 
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
-                  tokenizer_dir=tokenizer_dir(cfg), lora=cfg.model.lora, dtype=cfg.model.dtype,
-                  hf_checkpoint=cfg.model.hf_checkpoint)
+                  tokenizer_dir=run / SNAPSHOT, hf_checkpoint=run / SNAPSHOT, lora=cfg.model.lora,
+                  dtype=cfg.model.dtype)
     plot = logger.close()
     if summary and logger.history:
         _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)

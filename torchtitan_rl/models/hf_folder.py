@@ -28,3 +28,9 @@ def check_hf_folder(folder: str, *, field: str) -> None:
                 pass
         except SafetensorError as e:
             raise ValueError(f"{field}: {file}: not a whole safetensors file, truncated or damaged? ({e})") from None
+
+
+def check_weights(folder: str, *, field: str) -> None:
+    """ValueError unless ``folder`` holds *.safetensors weights (checked before a run creates its folder)."""
+    if Path(folder).is_dir() and not any(Path(folder).glob("*.safetensors")):
+        raise ValueError(f"{field}: no *.safetensors files in {folder} (a tokenizer-only or .bin folder?)")

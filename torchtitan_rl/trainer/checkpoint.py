@@ -24,10 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+
+from torchtitan_rl.disk import free_space, refused, write_error
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 MANIFEST = "manifest.json"
@@ -136,15 +139,21 @@ def save(
     """Write step-N with its manifest (collective: every rank calls it) and prune older ones.
 
     ``files``: small text files (name -> content) rank 0 puts beside the shards, e.g. the run's config.
+    A write the file system refuses (full, read-only) removes step-N.tmp and raises one ValueError naming
+    the folder, its free space and the newest checkpoint that still verifies, on every rank.
     """
     final, tmp = folder / f"step-{step}", folder / f"step-{step}.tmp"
     rank, world = dist.get_rank(), dist.get_world_size()
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name, text in (files or {}).items():
-            (tmp / name).write_text(text)
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text)
+        except OSError as e:
+            error = e
+    _agree(error, folder=folder, step=step)  # also the barrier before every rank writes into tmp
     # Optimizer state exists only after the first step; asking torch for it
     # earlier would make it take a zero-lr step that advances Adam's step count.
     has_optimizer_state = bool(optimizer.state)
@@ -161,22 +170,32 @@ def save(
     state = {"model": _model_state(model), "trainer": pickle.dumps(trainer_state)}
     if has_optimizer_state:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()  # every rank's shards are written
-    # Each rank makes a share of the files durable and sums them: one read of the checkpoint, spread over ranks.
-    names = sorted(p.name for p in tmp.iterdir())
-    mine = {name: _fsync_and_sum(tmp / name) for name in names[rank::world]}
+    mine = {}
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # a rank's failed write fails every rank's call
+        dist.barrier()  # every rank's shards are written
+        # Each rank makes a share of the files durable and sums them: one read of the checkpoint, spread over ranks.
+        names = sorted(p.name for p in tmp.iterdir())
+        mine = {name: _fsync_and_sum(tmp / name) for name in names[rank::world]}
+    except (OSError, RuntimeError, CheckpointException) as e:  # RuntimeError: torch's zip writer ("unexpected pos")
+        error = e
+    _agree(error, folder=folder, step=step)
     shares = [None] * world
     dist.all_gather_object(shares, mine)
     if rank == 0:
-        manifest = {"step": step, "files": {k: v for share in shares for k, v in sorted(share.items())}}
-        part = tmp / (MANIFEST + ".part")
-        with open(part, "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, tmp / MANIFEST)
-        _fsync_dir(tmp)
+        try:
+            manifest = {"step": step, "files": {k: v for share in shares for k, v in sorted(share.items())}}
+            part = tmp / (MANIFEST + ".part")
+            with open(part, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, tmp / MANIFEST)
+            _fsync_dir(tmp)
+        except OSError as e:
+            error = e
+    _agree(error, folder=folder, step=step)
+    if rank == 0:
         if final.exists():
             _discard(final)
         os.replace(tmp, final)
@@ -184,6 +203,30 @@ def save(
         _prune(folder, keep_latest, newest=step)
     dist.barrier()
     return final
+
+
+def _agree(error: BaseException | None, *, folder: Path, step: int) -> None:
+    """Every rank learns whether any rank's part of the save failed. If one did, rank 0 removes step-N.tmp, and
+    a rank whose own write the file system refused raises the one-line ValueError (disk.write_error), a rank
+    with another error re-raises it (a bug keeps its traceback), and the others exit quietly (SystemExit)."""
+    tmp = folder / f"step-{step}.tmp"
+    why = refused(error, tmp) if error is not None else None
+    mine = None if error is None else (why, free_space(tmp))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if all(e is None for e in everyone):
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is None:
+        raise SystemExit(2 if any(e is not None and e[0] for e in everyone) else 1)  # a peer says why
+    if why is None:
+        raise error
+    found = newest_verified(folder, say=lambda _: None)
+    kept = (f"{found[1].name} still verifies and --resume continues from it" if found is not None
+            else "no earlier checkpoint of this run")
+    raise write_error(folder, why, doing=f"saving step-{step}", free=mine[1],
+                      kept=f"{tmp.name} removed, {kept}") from None
 
 
 def _discard(path: Path) -> None:
