@@ -4,7 +4,7 @@
 # sync after a level-2 wake rewrites and verifies all tensors (tests/engine/test_sleep.py proves the path on CPU);
 # here the outputs after each wake (graph replay, prefix cache reset) must equal the run that never slept.
 #   run(carry=[".gpu/b"], command="source .gpu/b/install.sh && bash scripts/gpu/sleep_equal.sh")
-# Env: SLEEP_STEPS, SLEEP_ARGS (extra args for both runs, e.g. "--grpo.prompts_per_step 32").
+# Env: SLEEP_STEPS, SLEEP_ARGS (extra args for both runs, e.g. "--grpo.prompts_per_step 32"), SLEEP_GPU (0).
 # Env: SLEEP_MODES ("off weights"; "" runs the check alone), SLEEP_CHECK (1; 0 skips the check). The check and the
 # two runs together take ~9 min on an H100: two calls (SLEEP_MODES="" then SLEEP_CHECK=0) leave room.
 # Writes $OUT/sleep_check.json, $OUT/sleep_equal.json (per metric: the largest |difference| over the steps),
@@ -16,7 +16,7 @@ work=$(mktemp -d /tmp/sleep.XXXXXX)
 extra=(${SLEEP_ARGS:-})
 # First the state machine on this GPU with vLLM's real sleep mode (scripts/gpu/sleep_check.py, ~1 min).
 if [ "${SLEEP_CHECK:-1}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 scripts/gpu/sleep_check.py --json "$OUT/sleep_check.json" \
+  CUDA_VISIBLE_DEVICES="${SLEEP_GPU:-0}" timeout 200 python3 scripts/gpu/sleep_check.py --json "$OUT/sleep_check.json" \
     > "$work/check.log" 2>&1; echo "=== sleep_check: exit $?"; tail -n 1 "$work/check.log"
   [ -s "$OUT/sleep_check.json" ] || tail -n 80 "$work/check.log" > "$OUT/sleep_check_failed.log"
 fi
@@ -24,7 +24,7 @@ for mode in ${SLEEP_MODES-off weights}; do
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/$mode.mem" &
   smi=$!
   start=$(date +%s)
-  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 -m torchtitan_rl.simple_grpo --config run_configs/qwen3_0.6b.toml \
+  CUDA_VISIBLE_DEVICES="${SLEEP_GPU:-0}" timeout 280 python3 -m torchtitan_rl.simple_grpo --config run_configs/qwen3_0.6b.toml \
     --trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$mode" \
     --generator.sleep "$mode" "${extra[@]}" > "$work/$mode.log" 2>&1
   rc=$?
@@ -34,7 +34,7 @@ for mode in ${SLEEP_MODES-off weights}; do
   [ $rc = 0 ] || tr '\r' '\n' < "$work/$mode.log" | tail -n 120 > "$OUT/sleep_${mode}_failed.log"
   cp "$work/$mode/latest/metrics.jsonl" "$OUT/sleep_$mode.jsonl" 2>/dev/null
   python3 scripts/gpu/sizes_row.py --output-dir "$work/$mode" --log "$work/$mode.log" --mem "$work/$mode.mem" \
-    --row "0.6B:a:$mode" --exit-code $rc --first 3 --last $(( STEPS - 1 )) >> "$OUT/sleep_rows.jsonl"
+    --row "0.6B:a:$mode" --exit-code $rc --first 3 --last $(( STEPS - 1 )) --gpus "${SLEEP_GPU:-0}" >> "$OUT/sleep_rows.jsonl"
 done
 [ -s "$OUT/sleep_off.jsonl" ] && [ -s "$OUT/sleep_weights.jsonl" ] && python3 - "$OUT/sleep_off.jsonl" "$OUT/sleep_weights.jsonl" > "$OUT/sleep_equal.json" <<'PY'
 import json, sys
