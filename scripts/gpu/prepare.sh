@@ -55,7 +55,8 @@ $PD -d "$OUTB/wheels" \
 #    imports `ray` at module level; scripts/gpu/stubs/ray (in the repo, it
 #    travels with the tree) stands in for it in the sync benchmark.
 $PD -d "$OUTA/titan" torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0 \
-  typeguard==4.6.0 torchdata==0.11.0
+  typeguard==4.6.0 torchdata==0.11.0 \
+  math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2  # grpo/rewards.py imports math_verify in every run
 
 cp "$HERE/stash.sh" "$OUTA/stash.sh"
 cp "$HERE/install.sh" "$OUTB/install.sh"
