@@ -5,6 +5,9 @@ Sections are plain dataclasses so that importing this module stays cheap
 (no torch, no vLLM): ``--help`` and config validation run in a second.
 Each section checks its own fields (``check(path)``); checks that need two
 sections or the world size are in validation.py.
+
+Long: the whole tree is in one file on purpose, one place to read every field and its docstring;
+the checks (checks.py, validation.py), TOML (toml_io.py) and the CLI (cli.py) are beside it.
 """
 
 import ipaddress

@@ -19,7 +19,7 @@ from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
-from torchtitan_rl.rollout.base import Done, Rollouts
+from torchtitan_rl.engine.rollouts import Done, Rollouts
 
 
 class WeightsNotSyncedError(RuntimeError):

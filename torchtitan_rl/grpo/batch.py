@@ -1,4 +1,6 @@
-"""Rollouts -> padded training tensors, and the trainer-vs-generator mismatch."""
+"""Rollouts -> padded training tensors (TrainBatch, the trainer's input type), and the trainer-vs-generator mismatch."""
+
+from dataclasses import dataclass
 
 import torch
 
@@ -42,3 +44,21 @@ def logprob_mismatch(trainer_BL: torch.Tensor, generator_BL: torch.Tensor, mask_
         "mismatch_max": diff.max().item(),
         "mismatch_frac_tokens": (diff != 0).float().mean().item(),
     }
+
+
+@dataclass
+class TrainBatch:
+    """One rank's share of a step's rollouts, right-padded to a common length L (what the trainer trains on)."""
+
+    tokens_BL: torch.Tensor
+    """Prompt + completion token ids (long), right-padded with the pad id."""
+    loss_mask_BL: torch.Tensor
+    """1 where tokens_BL[:, t] is a scored completion token; column 0 is always 0."""
+    old_logprobs_BL: torch.Tensor
+    """float32 log pi_old of tokens_BL[:, t] (the ratio's reference: the trainer's recompute) at scored positions, 0 elsewhere."""
+    advantages_B: torch.Tensor
+    """float32 advantage of each sequence."""
+    ref_logprobs_BL: torch.Tensor | None = None
+    """float32 reference-model logprobs, needed when grpo.kl_coef > 0."""
+    is_weights_BL: torch.Tensor | None = None
+    """float32 off-policy weight of each scored token (grpo.loss.importance_weights); None: no correction."""

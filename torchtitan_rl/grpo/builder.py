@@ -7,17 +7,30 @@ The loop's steps 3-5 (score, advantages, recompute); every rank calls
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.grpo.advantages import group_advantages
-from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
+from torchtitan_rl.grpo.batch import TrainBatch, logprob_mismatch, pack_rollouts
 from torchtitan_rl.grpo.groups import Groups, fill_with_signal, rollout_metrics, score_groups
 from torchtitan_rl.grpo.loss import importance_weights
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
-from torchtitan_rl.trainer.trainer import TrainBatch, Trainer
+
+
+class Scorer(Protocol):
+    """What the builder needs of a model (trainer/trainer.py's Trainer): its data-parallel share and its logprobs.
+
+    A protocol rather than the Trainer itself, so that grpo/ stays below trainer/ (tests/test_imports.py)."""
+
+    dp_rank: int
+    dp_size: int
+
+    def token_logprobs(
+        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -41,7 +54,7 @@ class StepBatch:
 class BatchBuilder:
     """Built once per run; ``build`` turns each step's rollouts into its StepBatch."""
 
-    def __init__(self, cfg: JobConfig, *, task: Task, trainer: Trainer, reference: Trainer | None,
+    def __init__(self, cfg: JobConfig, *, task: Task, trainer: Scorer, reference: Scorer | None,
                  device: torch.device) -> None:
         self.cfg, self.task, self.trainer, self.reference, self.device = cfg, task, trainer, reference, device
         grpo = cfg.grpo

@@ -20,7 +20,7 @@ from torchtitan_rl.models.batch_invariant import attention as bi_attention, make
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.families import family_by_model_type, load_hf_state, shape_from_hf_config
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
-from torchtitan_rl.weight_sync.plan import Destination
+from torchtitan_rl.models.destination import Destination
 
 TITAN_ARCH = "TorchTitanForCausalLM"
 """Architecture name under which the generator's model is registered in vLLM."""

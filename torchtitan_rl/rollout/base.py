@@ -17,51 +17,15 @@ and still know which weights each batch came from (``Rollouts.weight_version``).
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from torchtitan_rl.config import SamplingConfig
+from torchtitan_rl.engine.rollouts import Done, Rollouts
+
+__all__ = ["Done", "Later", "Pending", "RolloutGenerator", "Rollouts", "prompt_blocks"]
 
 if TYPE_CHECKING:  # annotations only: the interface module stays free of torch
     import torch
-
-
-@dataclass
-class Rollouts:
-    prompt_ids: list[list[int]]
-    """One entry per completion (prompts repeated n times, group-contiguous)."""
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    """Generator logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
-    weight_version: int
-    generate_s: float = 0.0
-    """Seconds the engine spent on this batch."""
-    idle_s: float = 0.0
-    """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
-    loss_mask: list[list[int]] | None = None
-    """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
-
-    @staticmethod
-    def concat(parts: list["Rollouts"]) -> "Rollouts":
-        """Rollouts of consecutive prompt blocks (one per generator replica) as one batch, in block order.
-
-        All parts come from one weight version: every replica applies the same
-        syncs between the same requests. ``generate_s`` is the slowest part's
-        (the batch is ready when it is); ``idle_s`` the mean over the parts.
-        """
-        assert len({p.weight_version for p in parts}) == 1, [p.weight_version for p in parts]
-        masks = None
-        if any(p.loss_mask is not None for p in parts):
-            masks = [m for p in parts for m in (p.loss_mask or [[1] * len(c) for c in p.completion_ids])]
-        return Rollouts(
-            prompt_ids=[x for p in parts for x in p.prompt_ids],
-            completion_ids=[x for p in parts for x in p.completion_ids],
-            logprobs=[x for p in parts for x in p.logprobs],
-            weight_version=parts[0].weight_version,
-            generate_s=max(p.generate_s for p in parts),
-            idle_s=sum(p.idle_s for p in parts) / len(parts),
-            loss_mask=masks,
-        )
 
 
 def prompt_blocks(prompts: int, parts: int) -> list[tuple[int, int]]:
@@ -94,16 +58,6 @@ class RolloutGenerator(Protocol):
 
     def close(self) -> None:
         """Shut the engine down (also after an error in the loop)."""
-
-
-class Done:
-    """A Pending whose rollouts are already here (generated at submit, or restored from a checkpoint)."""
-
-    def __init__(self, rollouts: Rollouts) -> None:
-        self.rollouts = rollouts
-
-    def result(self) -> Rollouts:
-        return self.rollouts
 
 
 class Later:

@@ -46,6 +46,9 @@ that dies or stalls mid-sync is dropped after serve.sync_timeout_s, leaving
 the previous version served if nothing was written yet, else nothing served
 until the next sync: never a mix (over NCCL the watchdog ends the server
 instead: docs/design.md).
+
+Long: the routes and the sync session they share; the parts with a job of their own live beside it
+(engine_loop.py, protocol.py, http_limits.py, sync_store.py).
 """
 
 import asyncio

@@ -8,10 +8,12 @@ weights) and each forward all-gathers a ``model.dtype`` copy of them, so the
 trainer computes with exactly the bf16 weights the generator gets from the
 same fp32 masters. Gradients are reduced in fp32. The model is wrapped even
 as a single process, so one process and many compute alike.
+
+Long: building, the logprob/entropy forward, the step and the checkpoint glue share the wrapped model's
+state; issue 33 splits them by job next.
 """
 
 import contextlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
+from torchtitan_rl.grpo.batch import TrainBatch
 from torchtitan_rl.grpo.loss import grpo_loss
 from torchtitan_rl.models.batch_invariant import make_batch_invariant, sampler_token_logprobs
 from torchtitan_rl.models.lora import apply_lora
@@ -42,24 +45,6 @@ from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 _TOKEN_MEANS = ("clip_fraction", "clip_frac_low", "clip_frac_high", "kl", "approx_kl", "ratio_mean", "entropy")
 """grpo_loss metrics that train_step reports as token-weighted means over ranks, micro- and mini-batches."""
-
-
-@dataclass
-class TrainBatch:
-    """One rank's share of a step's rollouts, right-padded to a common length L."""
-
-    tokens_BL: torch.Tensor
-    """Prompt + completion token ids (long), right-padded with the pad id."""
-    loss_mask_BL: torch.Tensor
-    """1 where tokens_BL[:, t] is a scored completion token; column 0 is always 0."""
-    old_logprobs_BL: torch.Tensor
-    """float32 log pi_old of tokens_BL[:, t] (the ratio's reference: the trainer's recompute) at scored positions, 0 elsewhere."""
-    advantages_B: torch.Tensor
-    """float32 advantage of each sequence."""
-    ref_logprobs_BL: torch.Tensor | None = None
-    """float32 reference-model logprobs, needed when grpo.kl_coef > 0."""
-    is_weights_BL: torch.Tensor | None = None
-    """float32 off-policy weight of each scored token (grpo.loss.importance_weights); None: no correction."""
 
 
 class Trainer:

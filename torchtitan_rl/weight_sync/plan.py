@@ -8,17 +8,11 @@ constant with a known value; and every trainer tensor has a destination.
 """
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-
-class Destination(NamedTuple):
-    """A view into generator memory and the shape the trainer's tensor has."""
-
-    view: torch.Tensor
-    source_shape: torch.Size
+from torchtitan_rl.models.destination import Destination
 
 
 @dataclass(frozen=True)

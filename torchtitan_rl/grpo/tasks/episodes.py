@@ -34,8 +34,8 @@ import dataclasses
 from abc import abstractmethod
 
 from torchtitan_rl.config import SamplingConfig
+from torchtitan_rl.engine.rollouts import Done, Rollouts
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
-from torchtitan_rl.rollout.base import Done, Rollouts
 
 TURN_SEED = 7919
 """Turn t > 0, budget group g, of a request seeded s is seeded (s * TURN_SEED + t) * TURN_SEED + g (the
