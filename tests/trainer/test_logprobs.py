@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan_rl.config.job_config import LoRAConfig, ModelConfig
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.trainer.logprobs import chunked_token_logprobs, chunked_token_logprobs_and_entropy
-from torchtitan_rl.trainer.trainer import _entropy, _entropy_of_logits
+from torchtitan_rl.trainer.logprobs import entropy_of_logits as _entropy_of_logits, token_entropy as _entropy
 
 from .helpers import make_batch
 

@@ -157,3 +157,40 @@ def chunked_token_logprobs_and_entropy(
     assert hidden_ND.dim() == 2 and targets_N.shape == hidden_ND.shape[:1], (hidden_ND.shape, targets_N.shape)
     assert entropy in ("off", "metric", "grad"), entropy
     return _ChunkedTokenLogprobs.apply(hidden_ND, weight_VD, targets_N, temperature, chunk_tokens, compile, entropy)
+
+
+def score_positions(tokens_BL: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
+    """CPU bool [B, L]: the positions whose logprob is computed (mask_BL, else all but column 0)."""
+    if mask_BL is not None:
+        assert mask_BL.shape == tokens_BL.shape, (mask_BL.shape, tokens_BL.shape)
+        assert not mask_BL[:, 0].any(), "position 0 has no logprob"
+        return mask_BL.bool().cpu()
+    score_BL = torch.ones(tokens_BL.shape, dtype=torch.bool)
+    score_BL[:, 0] = False
+    return score_BL
+
+
+def token_entropy(x_BLV: torch.Tensor, to_logprobs=None, chunk: int = 1024) -> torch.Tensor:
+    """[B, L] float32: -sum_v p log p of each position's distribution, log p = ``to_logprobs(x)`` (default:
+    ``x`` holds log-probabilities already). Without autograd, ``chunk`` positions at a time: a metric must not
+    add whole [B, L, V] buffers (a float32 copy of bf16 logits, p log p) to the peak."""
+    to_logprobs = to_logprobs or identity
+    if torch.is_grad_enabled():  # the entropy bonus: autograd keeps the log-probabilities anyway
+        logprobs_BLV = to_logprobs(x_BLV)
+        return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
+    flat_NV = x_BLV.flatten(0, 1)  # a view when x is contiguous (logits, log-probabilities)
+    out_N = torch.empty(flat_NV.shape[0], dtype=torch.float32, device=flat_NV.device)
+    for start in range(0, flat_NV.shape[0], chunk):
+        logprobs_CV = to_logprobs(flat_NV[start : start + chunk])
+        out_N[start : start + chunk] = -(logprobs_CV.exp() * logprobs_CV).sum(-1)
+    return out_N.view(x_BLV.shape[:-1])
+
+
+def entropy_of_logits(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B, L] float32 entropy of softmax(logits / temperature), chunked as ``token_entropy`` (batch-invariant mode
+    on CUDA: never a whole float32 copy of the logits)."""
+    return token_entropy(logits_BLV, lambda z: torch.log_softmax(z.float() / temperature, -1))
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x

@@ -9,8 +9,9 @@ trainer computes with exactly the bf16 weights the generator gets from the
 same fp32 masters. Gradients are reduced in fp32. The model is wrapped even
 as a single process, so one process and many compute alike.
 
-Long: building, the logprob/entropy forward, the step and the checkpoint glue share the wrapped model's
-state; issue 33 splits them by job next.
+Long: the logprob forward and the training step share the wrapped model, its micro-batch plan and its
+data-parallel sums, so they stay one class; building is in build.py, the chunked logprob and entropy math
+in logprobs.py, the checkpoint files in checkpoint.py.
 """
 
 import contextlib
@@ -19,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -27,20 +27,17 @@ from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.batch import TrainBatch
 from torchtitan_rl.grpo.loss import grpo_loss
-from torchtitan_rl.models.batch_invariant import make_batch_invariant, sampler_token_logprobs
-from torchtitan_rl.models.lora import apply_lora
-from torchtitan_rl.models.shape import ModelShape, titan_config
 from torchtitan_rl.trainer import checkpoint
+from torchtitan_rl.models.batch_invariant import sampler_token_logprobs
+from torchtitan_rl.models.shape import ModelShape
+from torchtitan_rl.trainer.build import build_parallel_model
+from torchtitan_rl.trainer.logprobs import (
+    chunked_token_logprobs_and_entropy, entropy_of_logits, score_positions, token_entropy,
+)
 from torchtitan_rl.distributed.determinism import deterministic_algorithms, set_determinism
 from torchtitan_rl.distributed.process_group import build_parallel_dims, init_process_group, local_device
-from torchtitan_rl.trainer.hf_weights import load_hf_weights, load_hf_weights_sharded
-from torchtitan_rl.trainer.logprobs import chunked_token_logprobs_and_entropy
 from torchtitan_rl.trainer.lr_schedule import build_lr_scheduler, lr_factor
 from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
-from torchtitan.config import CompileConfig, TrainingConfig
-from torchtitan.config import ParallelismConfig as TitanParallelismConfig
-from torchtitan.models.qwen3 import parallelize_qwen3
-from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 
 _TOKEN_MEANS = ("clip_fraction", "clip_frac_low", "clip_frac_high", "kl", "approx_kl", "ratio_mean", "entropy")
@@ -90,73 +87,13 @@ class Trainer:
         loss_mesh = self.parallel_dims.get_optional_mesh("loss")
         self._dp_group = loss_mesh.get_group() if loss_mesh is not None else None
 
-        titan_parallelism = TitanParallelismConfig(
-            data_parallel_replicate_degree=self.parallel_dims.dp_replicate,
-            data_parallel_shard_degree=self.parallel_dims.dp_shard,
-            tensor_parallel_degree=self.parallel_dims.tp,
-            spmd_backend="partial_dtensor",
+        self.model, self._compile, self._chunk_tokens = build_parallel_model(
+            config, model_config=model_config, shape=shape, seed=seed, device=self.device,
+            parallel_dims=self.parallel_dims, output_dir=self.output_dir, batch_invariant=batch_invariant,
+            sharded_hf_load=sharded_hf_load,
         )
-        # Every rank builds the whole fp32 model from the same seed (or HF
-        # weights), then parallelize keeps each rank's shard: init is world-size free.
-        # HF weights overwrite every parameter, so the model may start on the meta device and each
-        # rank read only its shard (not with LoRA, whose adapters are drawn on the whole model).
-        sharded_hf_load = (sharded_hf_load and model_config.hf_checkpoint is not None
-                           and not model_config.lora.rank and not batch_invariant)
-        model = _build_model(shape, seed=seed, device=torch.device("meta") if sharded_hf_load else self.device,
-                             parallelism=titan_parallelism)
-        if model_config.hf_checkpoint is not None and not sharded_hf_load:
-            load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
-        if batch_invariant:
-            # The generator runs the same kernels (models/vllm_model.py), so
-            # logprobs match bit for bit.
-            make_batch_invariant(model, replace_attention=True, device=self.device)
         self._sampler_logprobs = batch_invariant and self.device.type == "cuda"
         """Compute token logprobs with vLLM's GPU sampler kernels (batch-invariant mode on CUDA)."""
-        if model_config.lora.rank:
-            torch.manual_seed(seed)  # adapter init, the same on every rank
-            apply_lora(model, model_config.lora)
-        # Batch-invariant mode keeps whole logits (its sampler kernels read them) and its own
-        # uncompiled kernels; tensor parallel keeps them too (its lm_head output is vocab-sharded).
-        self._compile = config.compile and not batch_invariant
-        self._chunk_tokens = 0
-        """>0: the model returns final hidden states and logprobs come from trainer/logprobs.py."""
-        if config.logprob_chunk_tokens and not batch_invariant and self.parallel_dims.tp == 1:
-            assert not hasattr(model.lm_head, "lora_a"), "lm_head is no LoRA target (config.validation checks)"
-            self._chunk_tokens = config.logprob_chunk_tokens
-            # The lm_head module stays in the forward (FSDP's hooks unshard its weight and
-            # keep it unsharded for the backward), but returns its input: the matmul is ours.
-            model.lm_head.forward = _identity
-        if config.master_dtype == "bfloat16":  # parameters only: the RoPE buffers stay float32
-            for param in model.parameters():
-                param.data = param.data.to(torch.bfloat16)
-        if config.activation_checkpoint == "full":
-            for block in model.layers.values():
-                _checkpoint_forward(block)
-        self.model = parallelize_qwen3(
-            model,
-            parallel_dims=self.parallel_dims,
-            training=TrainingConfig(
-                mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32",
-                enable_cpu_offload=config.cpu_offload and self.device.type == "cuda",
-            ),
-            parallelism=titan_parallelism,
-            compile_config=CompileConfig(enable=self._compile, components=["model"]),
-            ac_config=None,
-            dump_folder=str(self.output_dir),
-        )
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                # torchtitan turns off FSDP's gradient averaging (we normalise by the
-                # global token count), and FSDP then reduces with PREMUL_SUM(1.0),
-                # which gloo lacks; a plain SUM is the same reduction.
-                module.set_force_sum_reduction_for_comms(True)
-        if sharded_hf_load:
-            # trainer.cpu_offload: FSDP keeps the shards in host memory (as torchtitan's own meta-device init)
-            offload = config.cpu_offload and self.device.type == "cuda"
-            self.model.to_empty(device=torch.device("cpu") if offload else self.device)
-            with torch.no_grad():
-                self.model.init_states(buffer_device=self.device)  # the RoPE buffers; the weights come next
-            load_hf_weights_sharded(self.model, shape=shape, hf_dir=model_config.hf_checkpoint)
         self.model.train()  # RoPE buffers stay fp32: FSDP's mixed precision casts parameters only
 
         opt = config.optimizer
@@ -197,7 +134,7 @@ class Trainer:
         None: every position of every row.
         """
         _check_temperature(temperature)
-        score_BL = _score_positions(tokens_BL, mask_BL)
+        score_BL = score_positions(tokens_BL, mask_BL)
         tokens_BL = tokens_BL.to(self.device)
         out_BL = torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
         with torch.no_grad(), deterministic_algorithms(), _eval_mode(self.model):
@@ -231,7 +168,7 @@ class Trainer:
         next-token distribution at the same positions, from the same logits (returns a pair).
         """
         if score_BL is None:
-            score_BL = _score_positions(tokens_BL, None)
+            score_BL = score_positions(tokens_BL, None)
         if self._chunk_tokens:
             return self._chunked_logprobs(tokens_BL, temperature, score_BL, entropy=entropy)
         logits_BLV = self.model(tokens_BL)
@@ -242,14 +179,14 @@ class Trainer:
             logprobs_BL = F.pad(sampler_token_logprobs(logits_BLV[:, :-1], tokens_BL[:, 1:], temperature), (1, 0))
             if entropy != "off":
                 with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-                    entropy_BL = F.pad(_entropy_of_logits(logits_BLV, temperature)[:, :-1], (1, 0))
+                    entropy_BL = F.pad(entropy_of_logits(logits_BLV, temperature)[:, :-1], (1, 0))
         else:
             # As vLLM's sampler: fp32 logits, divided by the temperature, then log_softmax.
             logits_BLV = logits_BLV[:, :-1].float() / temperature
             logprobs_BLV = torch.log_softmax(logits_BLV, dim=-1)
             if entropy != "off":
                 with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-                    entropy_BL = F.pad(_entropy(logprobs_BLV), (1, 0))
+                    entropy_BL = F.pad(token_entropy(logprobs_BLV), (1, 0))
             logprobs_BL = logprobs_BLV.gather(-1, tokens_BL[:, 1:, None]).squeeze(-1)
             logprobs_BL = F.pad(logprobs_BL, (1, 0))  # position 0 has no context to be predicted from
         score_BL = score_BL.to(self.device)
@@ -504,33 +441,6 @@ class Trainer:
         return state["extra"] if state["extra"] is not None else {}
 
 
-def _build_model(
-    shape: ModelShape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig
-) -> torch.nn.Module:
-    """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
-    config = titan_config(shape)
-    tp = parallelism.tensor_parallel_degree
-    if tp > 1:
-        if shape.num_key_value_heads % tp:
-            raise ValueError(
-                f"trainer.parallelism.tensor_parallel_degree: {tp} does not divide "
-                f"the model's {shape.num_key_value_heads} KV heads"
-            )
-        # torchtitan reads each module's TP layout from its config at build time.
-        # (Qwen3Model.Config.update_from_config does this too, but imports
-        # torchtitan's whole Trainer, HF datasets included.)
-        set_qwen3_sharding_config(
-            config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=False
-        )
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_states(buffer_device=device)
-    return model
-
-
 @contextlib.contextmanager
 def _eval_mode(model: torch.nn.Module):
     """No dropout (LoRA's) inside: a recomputed pi_old or pi_ref is the policy itself, not a random thinning."""
@@ -544,58 +454,6 @@ def _eval_mode(model: torch.nn.Module):
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"generator.sampling.temperature: must be > 0, got {temperature}")
-
-
-def _score_positions(tokens_BL: torch.Tensor, mask_BL: torch.Tensor | None) -> torch.Tensor:
-    """CPU bool [B, L]: the positions whose logprob is computed (mask_BL, else all but column 0)."""
-    if mask_BL is not None:
-        assert mask_BL.shape == tokens_BL.shape, (mask_BL.shape, tokens_BL.shape)
-        assert not mask_BL[:, 0].any(), "position 0 has no logprob"
-        return mask_BL.bool().cpu()
-    score_BL = torch.ones(tokens_BL.shape, dtype=torch.bool)
-    score_BL[:, 0] = False
-    return score_BL
-
-
-def _entropy(x_BLV: torch.Tensor, to_logprobs=None, chunk: int = 1024) -> torch.Tensor:
-    """[B, L] float32: -sum_v p log p of each position's distribution, log p = ``to_logprobs(x)`` (default:
-    ``x`` holds log-probabilities already). Without autograd, ``chunk`` positions at a time: a metric must not
-    add whole [B, L, V] buffers (a float32 copy of bf16 logits, p log p) to the peak."""
-    to_logprobs = to_logprobs or _identity
-    if torch.is_grad_enabled():  # the entropy bonus: autograd keeps the log-probabilities anyway
-        logprobs_BLV = to_logprobs(x_BLV)
-        return -(logprobs_BLV.exp() * logprobs_BLV).sum(-1)
-    flat_NV = x_BLV.flatten(0, 1)  # a view when x is contiguous (logits, log-probabilities)
-    out_N = torch.empty(flat_NV.shape[0], dtype=torch.float32, device=flat_NV.device)
-    for start in range(0, flat_NV.shape[0], chunk):
-        logprobs_CV = to_logprobs(flat_NV[start : start + chunk])
-        out_N[start : start + chunk] = -(logprobs_CV.exp() * logprobs_CV).sum(-1)
-    return out_N.view(x_BLV.shape[:-1])
-
-
-def _entropy_of_logits(logits_BLV: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[B, L] float32 entropy of softmax(logits / temperature), chunked as ``_entropy`` (batch-invariant mode
-    on CUDA: never a whole float32 copy of the logits)."""
-    return _entropy(logits_BLV, lambda z: torch.log_softmax(z.float() / temperature, -1))
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _checkpoint_forward(block: torch.nn.Module) -> None:
-    """Activation checkpointing of one decoder block, in place.
-
-    The block's forward is wrapped rather than the block (torchtitan's
-    checkpoint_wrapper), so parameter names, which the sync plan and the
-    checkpoints use, do not change.
-    """
-    forward = block.forward
-
-    def checkpointed(*args, **kwargs):
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    block.forward = checkpointed
 
 
 def _dummy_tokens(tokens_BL: torch.Tensor) -> torch.Tensor:

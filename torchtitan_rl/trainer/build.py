@@ -1,0 +1,144 @@
+"""Build the trainer's model: torchtitan's decoder from a seed or HF weights, LoRA, batch-invariant kernels,
+activation checkpointing, then FSDP2/TP through torchtitan's parallelize (trainer/trainer.py calls it once)."""
+
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.config import CompileConfig, TrainingConfig
+from torchtitan.config import ParallelismConfig as TitanParallelismConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.qwen3 import parallelize_qwen3
+from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
+from torchtitan_rl.models.batch_invariant import make_batch_invariant
+from torchtitan_rl.models.lora import apply_lora
+from torchtitan_rl.models.shape import ModelShape, titan_config
+from torchtitan_rl.trainer.hf_weights import load_hf_weights, load_hf_weights_sharded
+from torchtitan_rl.trainer.logprobs import identity
+
+
+def build_parallel_model(
+    config: TrainerConfig,
+    *,
+    model_config: ModelConfig,
+    shape: ModelShape,
+    seed: int,
+    device: torch.device,
+    parallel_dims: ParallelDims,
+    output_dir: Path,
+    batch_invariant: bool,
+    sharded_hf_load: bool,
+) -> tuple[torch.nn.Module, bool, int]:
+    """The parallelized model (FSDP2/TP, fp32 masters), whether torch.compile is on, and the logprob chunk size
+    in tokens (0: the model returns whole logits). ``sharded_hf_load``: as Trainer's argument of that name."""
+    titan_parallelism = TitanParallelismConfig(
+        data_parallel_replicate_degree=parallel_dims.dp_replicate,
+        data_parallel_shard_degree=parallel_dims.dp_shard,
+        tensor_parallel_degree=parallel_dims.tp,
+        spmd_backend="partial_dtensor",
+    )
+    # Every rank builds the whole fp32 model from the same seed (or HF
+    # weights), then parallelize keeps each rank's shard: init is world-size free.
+    # HF weights overwrite every parameter, so the model may start on the meta device and each
+    # rank read only its shard (not with LoRA, whose adapters are drawn on the whole model).
+    sharded_hf_load = (sharded_hf_load and model_config.hf_checkpoint is not None
+                       and not model_config.lora.rank and not batch_invariant)
+    model = build_model(shape, seed=seed, device=torch.device("meta") if sharded_hf_load else device,
+                        parallelism=titan_parallelism)
+    if model_config.hf_checkpoint is not None and not sharded_hf_load:
+        load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
+    if batch_invariant:
+        # The generator runs the same kernels (models/vllm_model.py), so
+        # logprobs match bit for bit.
+        make_batch_invariant(model, replace_attention=True, device=device)
+    if model_config.lora.rank:
+        torch.manual_seed(seed)  # adapter init, the same on every rank
+        apply_lora(model, model_config.lora)
+    # Batch-invariant mode keeps whole logits (its sampler kernels read them) and its own
+    # uncompiled kernels; tensor parallel keeps them too (its lm_head output is vocab-sharded).
+    compile_ = config.compile and not batch_invariant
+    chunk_tokens = 0  # >0: the model returns final hidden states and logprobs come from trainer/logprobs.py
+    if config.logprob_chunk_tokens and not batch_invariant and parallel_dims.tp == 1:
+        assert not hasattr(model.lm_head, "lora_a"), "lm_head is no LoRA target (config.validation checks)"
+        chunk_tokens = config.logprob_chunk_tokens
+        # The lm_head module stays in the forward (FSDP's hooks unshard its weight and
+        # keep it unsharded for the backward), but returns its input: the matmul is ours.
+        model.lm_head.forward = identity
+    if config.master_dtype == "bfloat16":  # parameters only: the RoPE buffers stay float32
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    if config.activation_checkpoint == "full":
+        for block in model.layers.values():
+            checkpoint_forward(block)
+    model = parallelize_qwen3(
+        model,
+        parallel_dims=parallel_dims,
+        training=TrainingConfig(
+            mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32",
+            enable_cpu_offload=config.cpu_offload and device.type == "cuda",
+        ),
+        parallelism=titan_parallelism,
+        compile_config=CompileConfig(enable=compile_, components=["model"]),
+        ac_config=None,
+        dump_folder=str(output_dir),
+    )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # torchtitan turns off FSDP's gradient averaging (we normalise by the
+            # global token count), and FSDP then reduces with PREMUL_SUM(1.0),
+            # which gloo lacks; a plain SUM is the same reduction.
+            module.set_force_sum_reduction_for_comms(True)
+    if sharded_hf_load:
+        # trainer.cpu_offload: FSDP keeps the shards in host memory (as torchtitan's own meta-device init)
+        offload = config.cpu_offload and device.type == "cuda"
+        model.to_empty(device=torch.device("cpu") if offload else device)
+        with torch.no_grad():
+            model.init_states(buffer_device=device)  # the RoPE buffers; the weights come next
+        load_hf_weights_sharded(model, shape=shape, hf_dir=model_config.hf_checkpoint)
+    return model, compile_, chunk_tokens
+
+
+def build_model(
+    shape: ModelShape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig
+) -> torch.nn.Module:
+    """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
+    config = titan_config(shape)
+    tp = parallelism.tensor_parallel_degree
+    if tp > 1:
+        if shape.num_key_value_heads % tp:
+            raise ValueError(
+                f"trainer.parallelism.tensor_parallel_degree: {tp} does not divide "
+                f"the model's {shape.num_key_value_heads} KV heads"
+            )
+        # torchtitan reads each module's TP layout from its config at build time.
+        # (Qwen3Model.Config.update_from_config does this too, but imports
+        # torchtitan's whole Trainer, HF datasets included.)
+        set_qwen3_sharding_config(
+            config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=False
+        )
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_states(buffer_device=device)
+    return model
+
+
+
+def checkpoint_forward(block: torch.nn.Module) -> None:
+    """Activation checkpointing of one decoder block, in place.
+
+    The block's forward is wrapped rather than the block (torchtitan's
+    checkpoint_wrapper), so parameter names, which the sync plan and the
+    checkpoints use, do not change.
+    """
+    forward = block.forward
+
+    def checkpointed(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = checkpointed
