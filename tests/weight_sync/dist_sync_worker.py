@@ -47,7 +47,7 @@ def main() -> None:
     }
     plain = {k: list(t.shape) for k, t in trainer.sync_state().items() if not isinstance(t, DTensor)}
 
-    # After the trainer: the engine is then built inside compat._private_world,
+    # After the trainer: the engine is then built inside engine/in_process.py's _private_world,
     # so vLLM's group setup on rank 0 does not wait for rank 1.
     generator = make_generator(out_dir / "generator") if rank == 0 else None
     sync = WeightSync(WeightSyncConfig(), reference=trainer.sync_state(), generator=generator)

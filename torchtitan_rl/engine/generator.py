@@ -17,9 +17,10 @@ import torch
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
+from torchtitan_rl.engine.in_process import build_llm_engine
+from torchtitan_rl.engine.rollouts import Done, Rollouts
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
-from torchtitan_rl.engine.rollouts import Done, Rollouts
 
 
 class WeightsNotSyncedError(RuntimeError):
@@ -43,11 +44,11 @@ class PrefixCacheKept(RuntimeError):
 
 
 def build_engine(**engine_kwargs):
-    """compat.build_llm_engine with our model class registered in vLLM first (its arguments). vLLM's refusal
+    """in_process.build_llm_engine with our model class registered in vLLM first (its arguments). vLLM's refusal
     of a KV cache too small for one sequence is a ValueError naming the field that sizes it."""
     register()
     try:
-        return compat.build_llm_engine(**engine_kwargs)
+        return build_llm_engine(**engine_kwargs)
     except ValueError as e:
         if "memory utilization" in str(e):  # vLLM: less free memory at start than the fraction asked for
             raise ValueError(f"generator.gpu_memory_utilization: {engine_kwargs['gpu_memory_utilization']} of the "
