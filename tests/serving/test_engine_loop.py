@@ -1,5 +1,7 @@
 """The rollout server's engine loop under async scheduling: a sync starts with no iteration in flight."""
 
+import torch
+
 from tests.helpers import PROMPTS, make_generator, native_state, trainer_model
 from torchtitan_rl import compat
 from torchtitan_rl.config import WeightSyncConfig
@@ -9,6 +11,17 @@ from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 def test_begin_sync_returns_with_no_iteration_in_flight(tmp_path):
+    # Built under one OpenMP thread (as after a batch-invariant run in the same process), while a new thread starts
+    # with the machine's count: the engine thread must compute with the engine's.
+    threads = torch.get_num_threads()
+    compat.set_num_threads(1)
+    try:
+        _begin_sync_drains(tmp_path)
+    finally:
+        compat.set_num_threads(threads)
+
+
+def _begin_sync_drains(tmp_path):
     gen = make_generator(tmp_path, async_scheduling=True)
     model = trainer_model(seed=1)
     WeightSync(WeightSyncConfig(), reference=native_state(model), generator=gen).sync(native_state(model), version=1)

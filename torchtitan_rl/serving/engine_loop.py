@@ -38,6 +38,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from torchtitan_rl import compat
 from torchtitan_rl.engine.generator import Generator, WeightsNotSyncedError
 
@@ -91,6 +93,9 @@ class EngineLoop:
         self._paused = False
         self._closed = False
         self._ids = 0
+        # OpenMP's thread count is per thread: the engine thread computes with the one the engine was built under
+        # (vLLM's CPU attention checks that its metadata and its kernels agree on it).
+        self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -197,6 +202,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            compat.set_num_threads(self._num_threads)
             self._loop()
         except BaseException as e:  # never die silently: fail what waits, refuse what comes, /health says so
             with self._cond:
