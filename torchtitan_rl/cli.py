@@ -18,6 +18,10 @@ _KEY = "torchtitan_rl/exit"
 """Store keys of the exit protocol: the first failure's line, every rank's host and pid."""
 
 
+PEER_DEATH_WAIT_S = 2.0
+"""How long a failed rank looks for a dead peer to blame before it reports its own error."""
+
+
 @contextmanager
 def one_line_errors():
     """A ValueError (a user error: it names the field, file or tensor) ends the command with one line, exit 2;
@@ -97,10 +101,10 @@ class RankExits:
             os._exit(error.code if isinstance(error.code, int) else 1)
         dead = None
         if not isinstance(error, ValueError):  # a user error is this rank's own; anything else may be a lost peer's
-            dead = self.dead_peer()
-            if dead is None:
-                time.sleep(0.3)  # a peer's sockets close a moment before it shows as a zombie
-                dead = self.dead_peer()
+            # A peer's sockets close before it shows as gone or a zombie; on a loaded host that takes a second.
+            deadline = time.monotonic() + PEER_DEATH_WAIT_S
+            while (dead := self.dead_peer()) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         if isinstance(error, ValueError):
             line, code = f"error: rank {self.rank}: {message}", 2
