@@ -52,12 +52,24 @@ optimizer step behind (lr 3e-3) is >= 4e-2 away (test_without_weight_sync_the_ru
 
 
 def free_port() -> int:
-    """A free local TCP port for a torchrun rendezvous."""
+    """A free local TCP port for a torchrun rendezvous, below the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is in the ephemeral range, which every outgoing connection of the
+    other test worker draws from too: between our close and torchrun's bind it was taken (EADDRINUSE, seen in CI).
+    """
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) \
+        if Path("/proc/sys/net/ipv4/ip_local_port_range").exists() else 32768
+    for port in random.Random().sample(range(20000, min(low, 32768)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000..ephemeral range")
 
 
 def tiny_shape(flavor: str = "tiny") -> ModelShape:
