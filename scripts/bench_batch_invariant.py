@@ -27,10 +27,10 @@ def measure(cfg, *, repeats: int, out_dir: Path, profile: bool = False) -> dict:
 
     import torch
 
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.grpo import group_advantages
     from torchtitan_rl.grpo.batch import pack_rollouts
-    from torchtitan_rl.job import run_device, run_shape, run_task
+    from torchtitan_rl.run.parts import run_device, run_shape, run_task
     from torchtitan_rl.trainer import TrainBatch, Trainer
     from torchtitan_rl.weight_sync.sync import WeightSync
 
@@ -40,7 +40,7 @@ def measure(cfg, *, repeats: int, out_dir: Path, profile: bool = False) -> dict:
     bi = cfg.batch_invariant_mode
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=device,
                       output_dir=out_dir, batch_invariant=bi)
-    gen = Generator(cfg.generator, model_config=cfg.model, shape=shape, seed=0, device=device.type,
+    gen = Engine(cfg.generator, model_config=cfg.model, shape=shape, seed=0, device=device.type,
                     workdir=out_dir, batch_invariant=bi)
     sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=gen)
     sync.sync(trainer.sync_state(), version=0)

@@ -1,6 +1,6 @@
 """Generation throughput: our generator vs vLLM's native Qwen3, same weights and settings.
 
-Ours: torchtitan's Qwen3 registered in vLLM (Generator, weights by the sync).
+Ours: torchtitan's Qwen3 registered in vLLM (Engine, weights by the sync).
 Native: vLLM's Qwen3ForCausalLM (its fused kernels and torch.compile), loaded
 with the same weights through its load_weights. Same engine settings, same
 random prompts, one request per sample, T=1, every sample runs to max_tokens
@@ -28,7 +28,7 @@ def worker(args) -> dict:
 
     from torchtitan_rl import compat
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-    from torchtitan_rl.engine.generator import build_engine
+    from torchtitan_rl.engine.engine import build_engine
     from torchtitan_rl.models.families import resolve_shape, to_hf
     from torchtitan_rl.models.shape import build_titan_model
 
@@ -42,10 +42,10 @@ def worker(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="bench_gen_"))
     t = time.perf_counter()
     if args.worker_engine == "ours":
-        from torchtitan_rl.engine.generator import Generator
+        from torchtitan_rl.engine.engine import Engine
         from torchtitan_rl.weight_sync.sync import WeightSync
 
-        gen = Generator(
+        gen = Engine(
             GeneratorConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                             enforce_eager=eager, gpu_memory_utilization=args.gpu_memory_utilization),
             model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device=dev, workdir=workdir,
@@ -77,7 +77,7 @@ def worker(args) -> dict:
         counter = iter(range(10**9))
 
         def generate() -> list[list[int]]:
-            # As Generator.generate: one request per sample, step until done.
+            # As Engine.generate: one request per sample, step until done.
             ids = []
             for p in prompts:
                 rid = f"r{next(counter)}"
@@ -169,7 +169,7 @@ def main() -> None:
         f"Qwen3-{args.flavor} shape, random weights (identical in both engines), {args.num_prompts} prompts x "
         f"{args.prompt_len} random ids -> {args.max_tokens} new tokens each, T=1, logprobs of the sampled "
         f"token returned, max_num_seqs={args.max_num_seqs}, gpu_memory_utilization="
-        f"{args.gpu_memory_utilization}; median of {args.repeats} runs after one warm-up. ours = Generator "
+        f"{args.gpu_memory_utilization}; median of {args.repeats} runs after one warm-up. ours = Engine "
         f"(torchtitan's Qwen3 in vLLM; with graphs: vLLM's full CUDA graphs, no torch.compile, since the "
         f"model is not a vLLM-compiled class); native = vLLM's Qwen3ForCausalLM (graphs: torch.compile + "
         f"piecewise/full CUDA graphs, vLLM's default).\n\n"

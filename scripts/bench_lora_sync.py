@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_seconds, table, write_section  # noqa: E402
 
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig, WeightSyncConfig  # noqa: E402
-from torchtitan_rl.engine.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.engine import Engine  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.trainer import Trainer  # noqa: E402
 from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
@@ -25,7 +25,7 @@ def one_mode(flavor: str, lora: LoRAConfig, *, device: str, repeats: int, workdi
     model_config = ModelConfig(flavor=flavor, lora=lora, max_seq_len=128)
     trainer = Trainer(TrainerConfig(), model_config=model_config, shape=shape, seed=0,
                       device=torch.device(device), output_dir=workdir)
-    gen = Generator(GeneratorConfig(max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.2),
+    gen = Engine(GeneratorConfig(max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.2),
                     model_config=model_config, shape=shape, seed=0, device=device, workdir=workdir)
     ws = WeightSync(WeightSyncConfig(verify="off"), reference=trainer.sync_state(), generator=gen, lora=lora)
     version = iter(range(10_000))

@@ -294,7 +294,7 @@ def trainer_vllm(world, flavor: str, args, res: dict) -> None:
 
 
 def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
 
     ch = Channel(world, flavor)
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny" else 0,
@@ -302,7 +302,7 @@ def generator_flavor(world, flavor: str, args, workdir: Path) -> dict:
     cuda = world.device.type == "cuda"
     t = time.perf_counter()
     with compat.vllm_device(world.device):
-        gen = Generator(
+        gen = Engine(
             GeneratorConfig(max_model_len=args.max_seq_len, max_num_seqs=64, enforce_eager=True,
                             gpu_memory_utilization=0.15, wait_for_weights_s=60.0),
             model_config=ModelConfig(flavor=flavor, max_seq_len=args.max_seq_len), shape=shape, seed=0,

@@ -1,4 +1,4 @@
-"""Batch-invariant attention kernel (models/paged_attention.py) vs FlashAttention, CUDA.
+"""Batch-invariant attention kernel (kernels/paged_attention.py) vs FlashAttention, CUDA.
 
 Times our kernel on the generator's decode step (one new token per sequence
 over vLLM-style paged K/V) and on the trainer's full sequences, against the

@@ -83,10 +83,10 @@ def trainer_flavor(world, flavor: str, args, workdir: Path) -> dict:
 
 
 def generator_flavor(world, flavor: str, args, workdir: Path) -> None:
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
 
     with compat.vllm_device(world.device):
-        gen = Generator(
+        gen = Engine(
             GeneratorConfig(max_model_len=args.max_seq_len, max_num_seqs=16, enforce_eager=True,
                             gpu_memory_utilization=args.gpu_memory_utilization),
             model_config=ModelConfig(flavor=flavor, max_seq_len=args.max_seq_len), shape=shape_of(flavor, args),

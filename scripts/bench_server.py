@@ -7,7 +7,7 @@
 1. Load: a server (run_configs/cpu_tiny.toml) synced once; C client threads
    send R requests (one prompt, n completions, max_tokens each); per-request
    latency (p50/p99) and throughput. The same completions, seeds and
-   weights from an in-process Generator in this process: all at once (the
+   weights from an in-process Engine in this process: all at once (the
    training path) and one request at a time (the latency floor without HTTP).
 2. LoRA: a server with model.lora.rank r; the trainer's first sync moves
    base + adapter, every later one only the adapter (one flat bucket).
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from tests.helpers import free_port, native_state, trainer_model  # noqa: E402
 from torchtitan_rl.config import LoRAConfig, SamplingConfig, TrainerConfig, WeightSyncConfig, load_toml  # noqa: E402
-from torchtitan_rl.engine.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.engine import Engine  # noqa: E402
 from torchtitan_rl.rollout.server_client import ServerClient, ServerGenerator  # noqa: E402
 from torchtitan_rl.grpo.tasks.digits import DigitsTask  # noqa: E402
 from torchtitan_rl.distributed.process_group import init_process_group  # noqa: E402
@@ -115,7 +115,7 @@ def load_test(args, workdir: Path) -> list[list]:
         proc.terminate()
         proc.wait(timeout=60)
 
-    generator = Generator(cfg.generator, model_config=cfg.model, shape=trainer_shape(), seed=0, device="cpu",
+    generator = Engine(cfg.generator, model_config=cfg.model, shape=trainer_shape(), seed=0, device="cpu",
                           workdir=workdir / "local")
     try:
         WeightSync(WeightSyncConfig(), reference=native_state(model), generator=generator).sync(

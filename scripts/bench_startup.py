@@ -1,9 +1,9 @@
-"""Generator startup: dummy load + first sync vs a full load_format="auto" start.
+"""Engine startup: dummy load + first sync vs a full load_format="auto" start.
 
 Each start runs in a fresh process with the generator settings of the run
-config (CUDA graphs included). dummy: Generator(load_format="dummy") with the
+config (CUDA graphs included). dummy: Engine(load_format="dummy") with the
 trainer's weights already on the GPU, the sync plan, the first sync. auto:
-Generator(load_format="auto") from a local HF checkpoint (safetensors, bf16)
+Engine(load_format="auto") from a local HF checkpoint (safetensors, bf16)
 that the dummy process wrote from the same weights, so both must sample the
 same completions. native: vLLM's own Qwen3ForCausalLM from that checkpoint,
 for reference. "ready" ends when the first short generate() returns.
@@ -31,7 +31,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
     import torch
 
     from torchtitan_rl.config import ModelConfig, SamplingConfig, WeightSyncConfig, parse_args
-    from torchtitan_rl.engine.generator import Generator, build_engine
+    from torchtitan_rl.engine.engine import Engine, build_engine
     from torchtitan_rl.models.families import resolve_shape, to_hf
     from torchtitan_rl.models.shape import build_titan_model
 
@@ -52,7 +52,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
         titan = build_titan_model(shape, seed=cfg.job.seed, device=device)  # the trainer's, not timed
         state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}
         t0 = time.perf_counter()
-        gen = Generator(cfg.generator, model_config=cfg.model, shape=shape, seed=0, device=device, workdir=workdir)
+        gen = Engine(cfg.generator, model_config=cfg.model, shape=shape, seed=0, device=device, workdir=workdir)
         t1 = time.perf_counter()
         ws = WeightSync(cfg.weight_sync, reference=state, generator=gen)
         t2 = time.perf_counter()
@@ -77,7 +77,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
     if kind == "auto":
         config = cfg.generator
         config.load_format = "auto"
-        gen = Generator(config, model_config=ModelConfig(**{**vars(cfg.model), "hf_checkpoint": str(ckpt)}),
+        gen = Engine(config, model_config=ModelConfig(**{**vars(cfg.model), "hf_checkpoint": str(ckpt)}),
                         shape=shape, seed=0, device=device, workdir=workdir)
         t1 = time.perf_counter()
         ids = gen.generate(PROMPTS, n=1, sampling=sampling, seed=0).completion_ids
@@ -151,7 +151,7 @@ def main() -> None:
     same = results.get("auto", {}).get("completions") == d.get("completions") if "auto" in results else None
     body = (
         f"`{args.config}` generator settings (CUDA graphs as configured), one fresh process per start. "
-        f"ready = from the Generator/engine constructor to the end of the first generate() (4 prompts x 16 "
+        f"ready = from the Engine/engine constructor to the end of the first generate() (4 prompts x 16 "
         f"tokens); import = Python + vLLM/torchtitan imports before it; process = whole subprocess wall "
         f"incl. the dummy start writing the checkpoint. Checkpoint: {d.get('checkpoint_bytes', 0) / 2**30:.2f} "
         f"GiB bf16 safetensors on local disk, written in {d.get('checkpoint_write_s', 0):.1f} s just before "
@@ -159,7 +159,7 @@ def main() -> None:
         + table(["start", "ready s", "engine build s", "of which / then", "import s", "process s"], rows)
         + f"\nSame completions (seeded) from the auto-loaded and the synced generator: {same}.\n"
     )
-    write_section(f"Generator startup ({args.device})", device=args.device, body=body)
+    write_section(f"Engine startup ({args.device})", device=args.device, body=body)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def make_batch(cfg, task, shape, *, ragged: bool, seed: int = 0):
 def measure(cfg, shape, batch, *, repeats: int, profile: bool) -> dict:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    from torchtitan_rl.job import run_device
+    from torchtitan_rl.run.parts import run_device
     from torchtitan_rl.trainer import TrainBatch, Trainer
 
     device = run_device(cfg.job.device)
@@ -179,7 +179,7 @@ def main() -> None:
 
     import torchtitan_rl.compat  # noqa: F401
     from torchtitan_rl.config import parse_args
-    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.run.parts import run_shape, run_task
 
     base = ["--config", args.config, "--trainer.checkpoint.enable", "false", *overrides]
     cfg0 = parse_args(base)

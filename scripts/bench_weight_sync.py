@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_seconds, synchronize, table, write_section  # noqa: E402
 
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
-from torchtitan_rl.engine.generator import Generator, build_engine  # noqa: E402
+from torchtitan_rl.engine.engine import Engine, build_engine  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape, to_hf  # noqa: E402
 from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
 from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
@@ -75,7 +75,7 @@ def bench_flavor(flavor: str, *, device: str, repeats: int, workdir: Path) -> li
     state = {**dict(trainer.named_parameters()), **dict(trainer.named_buffers())}
     n_params = sum(p.numel() for p in trainer.parameters())
 
-    gen = Generator(
+    gen = Engine(
         GeneratorConfig(max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.2),
         model_config=ModelConfig(flavor=flavor), shape=shape, seed=0, device=device, workdir=workdir,
     )
@@ -218,7 +218,7 @@ def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: i
     """Our sync into the generator in this process: three verification levels, peaks, validation alone."""
     times, n_params, n_buffers, flavor = res["times"], res["n_params"], res["n_buffers"], res["flavor"]
     t = time.perf_counter()
-    gen = Generator(
+    gen = Engine(
         GeneratorConfig(
             max_model_len=128, max_num_seqs=8, enforce_eager=True,
             gpu_memory_utilization=_util(2 * n_params + 4 * n_buffers, 3.0),

@@ -24,9 +24,9 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     """One mode: rows of (mode, batch size, tokens, differing, max |diff|)."""
     import torch
 
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.grpo.batch import pack_rollouts
-    from torchtitan_rl.job import run_device, run_shape, run_task
+    from torchtitan_rl.run.parts import run_device, run_shape, run_task
     from torchtitan_rl.trainer import Trainer
     from torchtitan_rl.weight_sync.sync import WeightSync
 
@@ -36,7 +36,7 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     bi = cfg.batch_invariant_mode
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
                       device=device, output_dir=out_dir, batch_invariant=bi)
-    generator = Generator(cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
+    generator = Engine(cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
                           device=device.type, workdir=out_dir, batch_invariant=bi)
     WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator).sync(
         trainer.sync_state(), version=1

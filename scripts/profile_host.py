@@ -1,6 +1,6 @@
 """Host work of one generate on a real CPU engine, per engine iteration and per token, by component.
 
-Many short requests through our Generator (tiny Qwen3 unless --flavor), each component of vLLM's engine
+Many short requests through our Engine (tiny Qwen3 unless --flavor), each component of vLLM's engine
 loop timed where it is called (the scheduler's schedule and update_from_output, the output processor, the
 model runner's execute_model and sample_tokens, which hold the model's forward and the sampler), plus our
 own code around the loop. --cprofile prints cProfile's top functions of one more generate.
@@ -79,7 +79,7 @@ def main() -> None:
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
     from torchtitan_rl.engine import generator as generator_module
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
     from torchtitan_rl.weight_sync.sync import WeightSync
@@ -89,7 +89,7 @@ def main() -> None:
                           max_seq_len=max_len)
     config = GeneratorConfig(max_model_len=max_len, max_num_seqs=args.prompts * args.n, kv_cache_memory_gb=1.0,
                              async_scheduling=not args.no_async, compile=args.compile, enforce_eager=not args.compile)
-    gen = Generator(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device="cpu",
+    gen = Engine(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device="cpu",
                     workdir=Path(tempfile.mkdtemp(prefix="prof_host_")))
     titan = build_titan_model(shape, seed=0)
     state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}

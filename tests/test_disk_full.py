@@ -171,7 +171,7 @@ def test_a_run_into_a_read_only_folder_is_one_line(read_only):
     cfg = load_toml(CPU_TINY)
     cfg.job.output_dir = str(read_only / "out")
     with pytest.raises(ValueError) as e:
-        simple_grpo.run(cfg)  # refused before any engine starts
+        simple_grpo.train(cfg)  # refused before any engine starts
     assert str(e.value).startswith(f"{read_only / 'out'}: read-only file system while creating the run folder ("), \
         str(e.value)
 

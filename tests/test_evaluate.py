@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import assert_one_line_error, run_module
-from tests.test_simple_grpo import _chat_config, run
+from tests.test_simple_grpo import _chat_config, train
 from torchtitan_rl.config import EvalSetConfig, load_toml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def test_a_runs_export_and_checkpoint_score_in_the_evaluator_what_the_loops_fina
                                    num_prompts=4, max_tokens=12, instruction="Answer with a number."))
     cfg.job.export = True
     cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 1
-    run(cfg)
+    train(cfg)
     folder = tmp_path / "out" / "latest"
     final = _evals(folder)[-1]
     assert final["step"] == 1 and final["eval_prompts/words"] == 6 and final["eval_prompts/sample"] == 4
@@ -82,7 +82,7 @@ def test_smollm2_scores_the_same_in_the_loop_before_step_0_and_in_the_evaluator(
     cfg.generator.sampling.max_tokens = 8
     cfg.eval.every_n_steps, cfg.eval.num_prompts, cfg.eval.max_tokens, cfg.metrics.samples_per_eval = 1, 1, 24, 6
     cfg.eval.sets = (EvalSetConfig(name="easy", path=str(easy), instruction="Answer with just the number."),)
-    run(cfg)
+    train(cfg)
     folder = tmp_path / "out" / "latest"
     before = _evals(folder)[0]
     assert before["step"] == 0

@@ -12,7 +12,7 @@ from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_t
 from tests.trainer.helpers import make_batch
 from torchtitan_rl import compat
 from torchtitan_rl.config import GRPOConfig, JobConfig, LoRAConfig, write_toml
-from torchtitan_rl.engine.generator import build_engine
+from torchtitan_rl.engine.engine import build_engine
 from torchtitan_rl.export import export_hf
 from torchtitan_rl.grpo.tasks.digits import DigitsTask, build_digits_tokenizer
 
@@ -104,7 +104,7 @@ def test_non_empty_target_is_refused(tiny_hf_checkpoint, tmp_path):
 
 def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     """python -m torchtitan_rl.export --run-dir: the same folder as exporting the live trainer (bf16)."""
-    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.run.parts import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     folder = tiny_hf_checkpoint("llama")
@@ -166,7 +166,7 @@ def test_export_skips_a_damaged_checkpoint_and_writes_readable_files(tmp_path, c
     import stat
 
     from torchtitan_rl.export import export_checkpoint
-    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.run.parts import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     run_dir = tmp_path / "run"
@@ -239,7 +239,7 @@ def test_a_model_folder_deleted_mid_run_still_exports_its_tokenizer(tiny_hf_chec
     cfg.job.output_dir, cfg.job.export, cfg.model.hf_checkpoint = str(tmp_path / "out"), True, str(source)
     cfg.grpo.task, cfg.grpo.prompts_per_step, cfg.trainer.steps = "tests.test_export:deleting_digits", 8, 2
     cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
-    simple_grpo.run(cfg)
+    simple_grpo.train(cfg)
     assert not source.exists()
 
     run = tmp_path / "out" / "run-1"
@@ -259,7 +259,7 @@ def test_the_digits_task_exports_a_tokenizer_that_round_trips(tmp_path, capsys):
 
     from torchtitan_rl.config import load_toml
     from torchtitan_rl.export import snapshot
-    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.run.parts import run_shape, run_task
     from torchtitan_rl.models.shape import build_titan_model
 
     cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
@@ -289,7 +289,7 @@ def test_the_digits_task_exports_a_tokenizer_that_round_trips(tmp_path, capsys):
 def test_a_random_model_on_another_checkpoints_tokenizer_exports_its_own_shape(smollm2_dir, tmp_path):
     """task.tokenizer lends the tiny random model SmolLM2's tokenizer: the export's config.json is the tiny
     model's (it used to be SmolLM2's, which no loader could fill from the tiny weights)."""
-    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.run.parts import run_shape, run_task
     from torchtitan_rl.models.shape import build_titan_model
 
     cfg = JobConfig()

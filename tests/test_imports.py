@@ -10,23 +10,25 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "torchtitan_rl"
 
 # Scripts users run; they only wire library code, and no module imports them.
-ENTRY_SCRIPTS = {"torchtitan_rl.simple_grpo", "torchtitan_rl.serve", "torchtitan_rl.evaluate", "torchtitan_rl.launch"}
+ENTRY_SCRIPTS = {"torchtitan_rl.simple_grpo", "torchtitan_rl.serve", "torchtitan_rl.evaluate", "torchtitan_rl.launch",
+                 "torchtitan_rl.fetch"}
 
 
 # The declared order, lowest first (docs/design.md's map): a package may import its own modules and those of
 # lower layers only; packages in one layer import none of each other. Names are torchtitan_rl's top-level
 # packages and modules.
 LAYERS: list[set[str]] = [
-    {"compat", "config", "disk", "folders", "cli"},  # version shims, typed config, process-level helpers
+    {"compat", "config", "disk"},  # version shims, the typed config, writing to disk
     {"distributed"},  # process groups, determinism, DTensor helpers
-    {"models"},  # model shapes, families, LoRA, kernels, the vLLM adapter
-    {"engine"},  # the vLLM engine wrapper: prompts -> Rollouts
-    {"weight_sync"},  # the sync plan and its transports, trainer -> generator
+    {"kernels"},  # batch-invariant and paged-attention kernels, trainer and engine alike
+    {"models"},  # what a model is: families, shapes, LoRA, its HF folder
+    {"engine"},  # vLLM in this process, running torchtitan's decoder: prompts -> Rollouts
+    {"weight_sync"},  # the sync plan and its transports, trainer -> engine
     {"grpo"},  # tasks, rewards, advantages, the loss, rollouts -> TrainBatch
     {"trainer"},  # torchtitan's model trained with the loss, checkpoints
-    {"serving"},  # the rollout server (HTTP) around an engine
-    {"rollout"},  # the loop's generator interface and its layouts (colocated, own rank, server client)
-    {"job", "runs", "memory", "metrics"},  # what a run is made of, its folder, its memory estimate, its log
+    {"serving"},  # the generator side in its own process: the HTTP rollout server, the own-rank replica
+    {"rollout"},  # the loop's generator interface and its clients (colocated, own rank, server)
+    {"run"},  # one run: its folder and latest link, its plan (new or resumed), its parts, exits, memory, metrics
     {"export"},  # the policy as an HF folder
     {m.rpartition(".")[2] for m in ENTRY_SCRIPTS},  # the commands users run
 ]

@@ -3,7 +3,7 @@
 import pytest
 
 from torchtitan_rl.config import WandbConfig
-from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.run.metrics import MetricsLogger
 
 
 def test_wandb_offline_run_records_scalars_and_samples(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def _reaped(proc: subprocess.Popen):
 
 def _wait_training(proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 300
-    metrics = out / "latest" / "metrics.jsonl"  # runs.py: the run's folder is output_dir/latest
+    metrics = out / "latest" / "metrics.jsonl"  # run/folder.py: the run's folder is output_dir/latest
     while not metrics.exists() or not metrics.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import assert_one_line_error, run_cli, run_module
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, write_toml
-from torchtitan_rl.runs import check_changes, plan_run, publish
+from torchtitan_rl.run.folder import check_changes, plan_run, publish
 from torchtitan_rl.trainer import checkpoint
 
 CPU_TINY = Path(__file__).resolve().parents[1] / "run_configs" / "cpu_tiny.toml"
@@ -91,7 +91,7 @@ def test_a_user_error_found_by_the_run_leaves_no_run_folder_and_latest_as_it_was
     (tmp_path / "hf" / "mine.txt").write_text("not to be mixed with an export")
     cfg.job.export_dir = str(tmp_path / "hf")
     with pytest.raises(ValueError, match="^export: .* exists and is not empty"):
-        simple_grpo.run(cfg)
+        simple_grpo.train(cfg)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["latest", "run-1"]
     assert (tmp_path / "out" / "latest").resolve() == (tmp_path / "out" / "run-1").resolve()
 
@@ -103,7 +103,7 @@ def test_a_run_whose_engine_cannot_start_names_the_field_and_leaves_latest_on_th
     publish(plan_run(cfg).folder)
     cfg.generator.kv_cache_memory_gb = 1e-5
     with pytest.raises(ValueError, match=r"^generator\.kv_cache_memory_gb: too little memory for the engine's KV") as e:
-        simple_grpo.run(cfg)
+        simple_grpo.train(cfg)
     gc.collect()
     assert (tmp_path / "run-2" / "config.toml").is_file()  # the failed start's own folder, kept for its config
     assert f"[this start left {tmp_path / 'run-2'} holding config.toml" in str(e.value)  # named in the one line
@@ -118,14 +118,14 @@ def test_a_model_folder_without_weights_is_refused_before_a_run_folder_exists(tm
     cfg = _config(tmp_path / "out", steps=4)
     cfg.model.hf_checkpoint, cfg.grpo.task = str(folder), "digits"
     with pytest.raises(ValueError, match=rf"^model.hf_checkpoint: no \*.safetensors files in {folder}"):
-        simple_grpo.run(cfg)
+        simple_grpo.train(cfg)
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
 def test_the_same_command_twice_keeps_both_runs_and_resume_continues_the_newest(tmp_path, capsys):
     for _ in range(2):
-        simple_grpo.run(_config(tmp_path, steps=4))
+        simple_grpo.train(_config(tmp_path, steps=4))
         gc.collect()
     run1, run2 = tmp_path / "run-1", tmp_path / "run-2"
     assert (tmp_path / "latest").resolve() == run2.resolve()
@@ -137,7 +137,7 @@ def test_the_same_command_twice_keeps_both_runs_and_resume_continues_the_newest(
 
     resumed = _config(tmp_path, steps=6)
     resumed.resume, resumed.trainer.optimizer.lr = True, 1e-4
-    records = simple_grpo.run(resumed)
+    records = simple_grpo.train(resumed)
     gc.collect()
     out = capsys.readouterr().out
     assert "torchtitan_rl: resume: trainer.optimizer.lr 0.003 -> 0.0001 (changed since step-4)" in out
@@ -162,7 +162,7 @@ def _finished_run(run: Path, cfg: JobConfig) -> None:
     """A run folder as a run of ``cfg`` leaves it at its end: config.toml and its final checkpoint (tiny trainer)."""
     import torch
 
-    from torchtitan_rl.job import run_shape, run_task
+    from torchtitan_rl.run.parts import run_shape, run_task
     from torchtitan_rl.trainer import Trainer
 
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=run_shape(cfg, run_task(cfg)), seed=0,

@@ -36,14 +36,14 @@ def _config(output_dir: Path, *, steps: int) -> JobConfig:
     return cfg
 
 
-def run(cfg: JobConfig) -> list[dict]:
-    """simple_grpo.run, with a garbage collection in between runs.
+def train(cfg: JobConfig) -> list[dict]:
+    """simple_grpo.train, with a garbage collection in between runs.
 
     vLLM's engine shutdown used to destroy the default process group (the
     trainer's) when a dropped engine was collected; compat keeps it now, and
     collecting here makes any regression of that show up at once.
     """
-    history = simple_grpo.run(cfg)
+    history = simple_grpo.train(cfg)
     gc.collect()
     return history
 
@@ -56,7 +56,7 @@ def _mean_reward(history: list[dict]) -> float:
 def test_short_run_learns(tmp_path):
     cfg = _config(tmp_path, steps=STEPS)
     validate(cfg)
-    history = run(cfg)
+    history = train(cfg)
 
     assert [r["step"] for r in history] == list(range(STEPS))
     # Step N samples with the weights after N optimizer steps.
@@ -82,7 +82,7 @@ def test_short_run_learns(tmp_path):
 def test_without_weight_sync_the_run_does_not_learn(tmp_path):
     cfg = _config(tmp_path, steps=STEPS)
     cfg.weight_sync.enable = False
-    history = run(cfg)
+    history = train(cfg)
 
     # Only the first sync happens: the generator serves step-0 weights throughout.
     assert [r["weight_version"] for r in history] == [0] * STEPS
@@ -94,18 +94,18 @@ def test_without_weight_sync_the_run_does_not_learn(tmp_path):
 
 @pytest.mark.slow
 def test_resume_matches_uninterrupted_run(tmp_path):
-    a = run(_config(tmp_path / "a", steps=6))
+    a = train(_config(tmp_path / "a", steps=6))
 
     first = _config(tmp_path / "b", steps=3)
     first.trainer.checkpoint.enable = True
     first.trainer.checkpoint.interval = 3
-    run(first)
+    train(first)
     assert (tmp_path / "b" / "latest" / "checkpoints" / "step-3").is_dir()
     second = _config(tmp_path / "b", steps=6)
     second.trainer.checkpoint.enable = True
     second.trainer.checkpoint.interval = 3
     second.resume = True
-    b = run(second)
+    b = train(second)
 
     assert [r["step"] for r in b] == [3, 4, 5]
     # The resumed generator starts from the checkpoint's weights, not from scratch.
@@ -135,7 +135,7 @@ def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
     cfg.batch_invariant_mode = True
     cfg.grpo.prompts_per_step = 8
     validate(cfg)
-    history = run(cfg)
+    history = train(cfg)
     assert [r["mismatch_frac_tokens"] for r in history] == [0.0, 0.0, 0.0]
     assert all(r["mismatch_max"] == 0.0 for r in history)
 
@@ -165,10 +165,10 @@ def _training_metrics(history: list[dict]) -> list[tuple]:
 
 
 def test_heldout_evaluation_does_not_change_the_training_samples(tmp_path, smollm2_dir):
-    off = run(_chat_config(tmp_path / "off", smollm2_dir, steps=3))
+    off = train(_chat_config(tmp_path / "off", smollm2_dir, steps=3))
     cfg = _chat_config(tmp_path / "on", smollm2_dir, steps=3)
     cfg.eval.every_n_steps, cfg.eval.mean_at_k = 2, 2
-    on = run(cfg)
+    on = train(cfg)
 
     assert _training_metrics(on) == _training_metrics(off)
     assert {r["mismatch_mean"] for r in on} != {0.0}  # the comparison has something to compare
@@ -188,9 +188,9 @@ def test_resumes_log_each_step_evaluation_and_sample_once_and_export_again(tmp_p
         cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval, cfg.resume = True, 2, resume
         return cfg
 
-    run(config(2, False))
-    run(config(4, True))  # resumed at step 2, an evaluation step: its evaluation runs again
-    run(config(4, True))  # resumed at step 4, a finished run: only the final evaluation and the export run again
+    train(config(2, False))
+    train(config(4, True))  # resumed at step 2, an evaluation step: its evaluation runs again
+    train(config(4, True))  # resumed at step 4, a finished run: only the final evaluation and the export run again
     folder = tmp_path / "run-1"
     lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "eval_accuracy" not in r] == [0, 1, 2, 3]
@@ -216,11 +216,11 @@ def test_dataset_resume_draws_the_prompts_of_an_uninterrupted_run(tmp_path, smol
         cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
         return cfg
 
-    a = run(config("a", 4))
-    run(config("b", 2))
+    a = train(config("a", 4))
+    train(config("b", 2))
     resumed = config("b", 4)
     resumed.resume = True
-    b = run(resumed)
+    b = train(resumed)
     assert [r["step"] for r in b] == [2, 3]
     assert _training_metrics(b) == _training_metrics(a[2:])
 
@@ -233,7 +233,7 @@ def test_dynamic_sampling_refills_leave_the_dataset_epoch_position_alone(tmp_pat
     cfg = _chat_config(tmp_path / "out", smollm2_dir, steps=2, task="dataset", path=str(data), heldout_fraction=0.2)
     cfg.grpo.dynamic_sampling, cfg.grpo.dynamic_sampling_max_rounds = True, 1
     cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
-    history = run(cfg)
+    history = train(cfg)
     assert all(r["sampling_rounds"] == 1 for r in history)  # the random model's rewards are equal: refills ran
     head = {"trainer": b""}
     dcp.load(head, checkpoint_id=tmp_path / "out" / "latest" / "checkpoints" / "step-2")

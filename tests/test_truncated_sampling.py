@@ -19,7 +19,7 @@ def test_truncated_sampling_leaves_the_mismatch_metric_blank(tmp_path):
     cfg = _config(tmp_path, steps=2)
     cfg.grpo.prompts_per_step = 8
     cfg.generator.sampling.top_k = 4  # of 16 tokens: every row cuts off real probability mass
-    history = simple_grpo.run(cfg)
+    history = simple_grpo.train(cfg)
     gc.collect()
     assert len(history) == 2
     for record in history:

@@ -168,7 +168,7 @@ def enable_batch_invariant_kernels() -> None:
     The trainer then computes log_softmax (and softmax/mean/bmm) with the same
     kernels as a colocated vLLM engine started with VLLM_BATCH_INVARIANT=1
     (idempotent). On Hopper vLLM 0.26 does not override mm: our linears call
-    its persistent matmul directly (models/batch_invariant.py).
+    its persistent matmul directly (kernels/batch_invariant.py).
     """
     batch_invariant_ops().enable_batch_invariant_mode()
 

@@ -1,4 +1,5 @@
-"""A write that the file system refused (full, over quota, read-only) as one line naming the path and its free space.
+"""Writing to disk: folders written whole or not at all, and a write that the file system refused (full, over
+quota, read-only) as one line naming the path and its free space.
 
 Each writer of a run (checkpoints, metrics, export, --dry-run) catches its
 own failure, cleans up what it had half written, and raises the ValueError
@@ -9,6 +10,8 @@ writer's "unexpected pos", a safetensors "StorageFull"; ``refused`` reads them a
 
 import errno
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REFUSED = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded", errno.EFBIG: "file too large",
@@ -63,3 +66,24 @@ def write_error(path: Path, why: str, *, doing: str, kept: str, free: int | None
     None); what is still valid."""
     free = free_space(path) if free is None else free
     return ValueError(f"{path}: {why} while {doing} ({human(free)} free there); {kept}")
+
+
+@contextmanager
+def complete_or_absent(out: Path) -> Iterator[Path]:
+    """A scratch folder that becomes ``out`` only when the block finishes.
+
+    A killed writer leaves ``out`` as it was (absent or empty: callers check)
+    and only ``<out>.partial`` behind, which the next attempt clears; a writer
+    that fails with an exception (a full disk) leaves no ``.partial``.
+    """
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty, as the caller checked
+    tmp.rename(out)

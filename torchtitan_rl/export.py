@@ -27,17 +27,17 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from torchtitan_rl.cli import one_line_errors
+from torchtitan_rl.run.exits import one_line_errors
 from torchtitan_rl.config import LoRAConfig, load_toml
 from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.disk import refused, write_error
 from torchtitan_rl.distributed.dtensor import full
-from torchtitan_rl.folders import complete_or_absent
-from torchtitan_rl.job import run_shape, run_task
+from torchtitan_rl.disk import complete_or_absent
+from torchtitan_rl.run.parts import run_shape, run_task
 from torchtitan_rl.models.families import shape_from_hf_config, to_hf
 from torchtitan_rl.models.lora import apply_lora, merged_state
 from torchtitan_rl.models.shape import ModelShape, build_titan_model, qkv_views, titan_config
-from torchtitan_rl.runs import run_to_resume
+from torchtitan_rl.run.folder import run_to_resume
 from torchtitan_rl.trainer import checkpoint
 
 TOKENIZER_FILES = (
@@ -164,7 +164,7 @@ def export_hf(
 
 
 def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir, hf_checkpoint, dtype: str) -> None:
-    """The export's files, all or none (folders.complete_or_absent)."""
+    """The export's files, all or none (disk.complete_or_absent)."""
     with complete_or_absent(out) as tmp:
         save_file(hf_state, tmp / "model.safetensors", metadata={"format": "pt"})
         # The model's own config.json (model.hf_checkpoint), never the tokenizer folder's: task.tokenizer may

@@ -4,7 +4,7 @@
 
 Takes torchrun's arguments and runs torchrun's own elastic agent (``torch.distributed.run.run``: the same
 rendezvous, store, restarts and worker environment). What differs is the end. The ranks say why a job
-ended themselves (cli.RankExits: one line for the job, the signal or the first failure); torchrun then adds
+ended themselves (run.exits.RankExits: one line for the job, the signal or the first failure); torchrun then adds
 its ``SignalException`` traceback (Ctrl-C, SIGTERM) or its ``ChildFailedError`` report and traceback (any
 rank's exit code but 0). Here the agent's signal ends the launcher with 128 + the signal's number, and a
 failed child with its exit code, silently when a rank already said why (its line is in the rank's
@@ -21,9 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 SAID = "torchtitan_rl:"
-"""How a rank's own line starts (cli.RankExits.end writes it into the rank's torchelastic error file too)."""
+"""How a rank's own line starts (run.exits.RankExits.end writes it into the rank's torchelastic error file too)."""
 USER_ERROR = 2
-"""A rank's exit code for a user error: rank 0 printed the line (config errors, runs.agree)."""
+"""A rank's exit code for a user error: rank 0 printed the line (config errors, run.folder.agree)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         run(args)
-    except SignalException as e:  # every rank said the signal's line and stopped (cli.RankExits)
+    except SignalException as e:  # every rank said the signal's line and stopped (run.exits.RankExits)
         sys.stdout.flush()
         raise SystemExit(128 + int(e.sigval)) from None
     except ChildFailedError as e:

@@ -10,7 +10,7 @@ syncs: serving/server.py says how. Stops on Ctrl-C / SIGTERM.
 
 from pathlib import Path
 
-from torchtitan_rl.cli import one_line_errors
+from torchtitan_rl.run.exits import one_line_errors
 from torchtitan_rl.config import parse_args
 
 
@@ -27,11 +27,11 @@ def serve(cfg) -> None:
     import uvicorn
 
     from torchtitan_rl.serving.engine_loop import EngineLoop
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.serving.http_limits import with_header_deadline
     from torchtitan_rl.serving.protocol import bind_gloo, listen
     from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
-    from torchtitan_rl.job import run_device, run_shape, run_task
+    from torchtitan_rl.run.parts import run_device, run_shape, run_task
     from transformers import AutoTokenizer
 
     # The port first: a busy one is a one-line error now, not a traceback after the engine's start.
@@ -43,7 +43,7 @@ def serve(cfg) -> None:
     shape = run_shape(cfg, task)
     device = run_device(cfg.job.device)
     tokenizer_dir = tokenizer_folder(cfg, task, workdir)
-    generator = Generator(
+    generator = Engine(
         cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
         workdir=workdir, batch_invariant=cfg.batch_invariant_mode, tokenizer_dir=tokenizer_dir,
     )

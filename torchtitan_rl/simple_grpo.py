@@ -3,7 +3,7 @@
 Each step: sync -> generate -> score -> advantages -> recompute logprobs -> loss + optimizer step -> log.
 Every rank runs this file (torchrun for more than one); weight_sync.transport picks where the generator
 runs (docs/design.md, "The loop's layouts"), and the step body is the same for all. Heavy imports stay
-inside ``run`` so that --help and config errors are instant.
+inside ``train`` so that --help and config errors are instant.
 """
 
 import functools
@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from torchtitan_rl.cli import RankExits, one_line_errors
+from torchtitan_rl.run.exits import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict
 from torchtitan_rl.disk import refused, write_error
@@ -22,7 +22,7 @@ DRY_RUN_TOML = "dry-run.toml"
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
-    if cfg.dry_run:  # not config.toml: a folder holding one is a run folder to --resume (runs.run_to_resume)
+    if cfg.dry_run:  # not config.toml: a folder holding one is a run folder to --resume (run/folder.py, run_to_resume)
         path = Path(cfg.job.output_dir) / DRY_RUN_TOML
         with one_line_errors():
             try:
@@ -37,14 +37,14 @@ def main(argv: list[str] | None = None) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: a signal or a failure ends every rank at once
         exits = RankExits()
         try:
-            run(cfg)
+            train(cfg)
         except BaseException as e:  # noqa: BLE001  one line for the job, then os._exit: no rank waits on another
             exits.fail(e, traceback_dir=Path(cfg.job.output_dir))
         exits.done()
     else:
         with one_line_errors():  # user errors found past parsing: a checkpoint, a task, mismatched weights
             try:
-                run(cfg)
+                train(cfg)
             except BaseException:
                 _destroy_process_group()  # one process: no peer waits; left to teardown gloo's threads can abort
                 raise
@@ -60,7 +60,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def run(cfg: JobConfig) -> list[dict]:
+def train(cfg: JobConfig) -> list[dict]:
     """Train; returns the metrics of the steps this call trained (rank 0 has them all; the generator rank none)."""
     import torch.distributed as dist
     from tqdm import tqdm
@@ -68,22 +68,22 @@ def run(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.config import validate
     from torchtitan_rl.distributed.process_group import init_process_group
     from torchtitan_rl.distributed.world import init_world
-    from torchtitan_rl.engine.generator import check_sleep
+    from torchtitan_rl.engine.engine import check_sleep
     from torchtitan_rl.export import snapshot
     from torchtitan_rl.grpo.builder import BatchBuilder
     from torchtitan_rl.grpo.eval_sets import load_eval_sets
     from torchtitan_rl.grpo.evaluate import Evaluator
-    from torchtitan_rl.job import run_device, run_shape, run_task
-    from torchtitan_rl.memory import one_line_oom
-    from torchtitan_rl.metrics import MetricsLogger, StepMetrics
+    from torchtitan_rl.run.parts import run_device, run_shape, run_task
+    from torchtitan_rl.run.memory import one_line_oom
+    from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
     from torchtitan_rl.rollout.queue import RolloutQueue
-    from torchtitan_rl.rollout.remote import serve
-    from torchtitan_rl.runs import agree, publish, starting
+    from torchtitan_rl.serving.own_rank import serve
+    from torchtitan_rl.run.folder import agree, publish, starting
     from torchtitan_rl.trainer import Trainer
 
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
-    # parse_args checked the config against torchrun's world; run(cfg) may come from Python.
+    # parse_args checked the config against torchrun's world; train(cfg) may come from Python.
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
@@ -229,7 +229,7 @@ def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> No
     import torch
 
     from torchtitan_rl.distributed.process_group import local_device
-    from torchtitan_rl.memory import check_fits, estimate, host_available
+    from torchtitan_rl.run.memory import check_fits, estimate, host_available
 
     device = local_device(device)
     free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (host_available(), 0)

@@ -25,8 +25,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from torchtitan_rl.config import load_toml
-    from torchtitan_rl.runs import run_to_resume
-    from torchtitan_rl.job import run_task
+    from torchtitan_rl.run.folder import run_to_resume
+    from torchtitan_rl.run.parts import run_task
 
     run_dir = run_to_resume(Path(args.run_dir))  # a job.output_dir: its latest run
     cfg = load_toml(run_dir / "config.toml")

@@ -2,7 +2,7 @@
 
 The loop's own pieces and settings (run_configs/qwen3_0.6b.toml: Qwen3-0.6B
 shape, random weights, CUDA graphs): the Trainer (FSDP2, fp32 masters) syncs
-into the Generator (torchtitan's Qwen3 inside vLLM, in-process), the
+into the Engine (torchtitan's Qwen3 inside vLLM, in-process), the
 generator samples, and the trainer recomputes the same tokens' logprobs.
 Then every trainer weight is perturbed, synced again (version 2), and the same
 prompts with the same seed are sampled again: the completions must change
@@ -26,7 +26,7 @@ from bench_common import table, write_section  # noqa: E402
 
 from torchtitan_rl import compat  # noqa: E402,F401  (before torchtitan)
 from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, parse_args  # noqa: E402
-from torchtitan_rl.engine.generator import Generator  # noqa: E402
+from torchtitan_rl.engine.engine import Engine  # noqa: E402
 from torchtitan_rl.grpo import build_task  # noqa: E402
 from torchtitan_rl.grpo.batch import pack_rollouts  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
     )
     res["trainer_build_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    gen = Generator(
+    gen = Engine(
         cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type, workdir=workdir
     )
     res["generator_build_s"] = time.perf_counter() - t
@@ -143,14 +143,14 @@ def main() -> None:
                  f"{stale['mean_abs_dlogprob']:.2e}", ""])
     body = (
         f"Qwen3-{cfg.model.flavor} shape, random weights; Trainer (FSDP2, fp32 masters, bf16 compute, SDPA) "
-        f"-> Generator (torchtitan Qwen3 in vLLM, enforce_eager={cfg.generator.enforce_eager}, compile={cfg.generator.compile}) by the "
+        f"-> Engine (torchtitan Qwen3 in vLLM, enforce_eager={cfg.generator.enforce_eager}, compile={cfg.generator.compile}) by the "
         f"in-place sync (verify=full); {args.prompts} digits prompts x {args.n} samples, T=1, up to "
         f"{args.max_tokens} tokens. |generator logprob - trainer logprob| over the sampled tokens:\n\n"
         + table(["weights", "tokens", "max", "p99", "mean", "mean logprob"], rows)
         + f"\nv2 = every trainer weight perturbed (+0.02 N(0,1)) and synced again: "
         f"{res['v2_completions_changed']} completions changed with the same seed, and the control row shows "
         f"the generator no longer computes with v1 anywhere (CUDA-graph replays read the new weights); same weights + same seed twice gave identical completions: "
-        f"{res['v1_repeat_identical']}. Generator build {res['generator_build_s']:.1f} s, plan "
+        f"{res['v1_repeat_identical']}. Engine build {res['generator_build_s']:.1f} s, plan "
         f"{res['plan_build_s'] * 1e3:.0f} ms, first sync {res['first_sync_s'] * 1e3:.1f} ms.\n"
     )
     variant = ", generator.compile" if cfg.generator.compile else ""

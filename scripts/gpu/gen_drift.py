@@ -2,7 +2,7 @@
 
 Runs ``python -m torchtitan_rl.simple_grpo --config CONFIG --trainer.steps N`` in
 this process (the same main(), checkpoints as the config says), with
-Generator.generate wrapped to record, per step: generated tokens/s, engine
+Engine.generate wrapped to record, per step: generated tokens/s, engine
 steps (decode iterations; one wave of all samples is ~max_tokens of them),
 the most requests running at once, the fewest free KV-cache blocks, requests
 preempted, time in engine.step vs the rest, the caching allocator's counters
@@ -57,9 +57,9 @@ def _scheduler(engine):
 
 
 def install(records: list) -> None:
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
 
-    real_generate = Generator.generate
+    real_generate = Engine.generate
     gc_time = [0.0, 0]
     gc_start = [0.0]
 
@@ -135,7 +135,7 @@ def install(records: list) -> None:
               f"objects {r['python_objects']:,}", flush=True)
         return rollouts
 
-    Generator.generate = generate
+    Engine.generate = generate
 
 
 def main() -> None:

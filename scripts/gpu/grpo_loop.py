@@ -1,6 +1,6 @@
 """The full GRPO loop on one GPU, with a step-time breakdown.
 
-Runs torchtitan_rl.simple_grpo.run on run_configs/qwen3_0.6b.toml (trainer and
+Runs torchtitan_rl.simple_grpo.train on run_configs/qwen3_0.6b.toml (trainer and
 generator colocated, CUDA graphs), then splits each step's wall time:
 sync, generate (from metrics.jsonl), logprob recompute and optimizer (timed
 here by wrapping Trainer.token_logprobs and the optimizer's step hooks, with
@@ -41,7 +41,7 @@ def main() -> None:
     t_start = time.perf_counter()
     import torchtitan_rl.compat  # noqa: F401
     from torchtitan_rl.config import parse_args
-    from torchtitan_rl.simple_grpo import run
+    from torchtitan_rl.simple_grpo import train
     from torchtitan_rl.trainer.trainer import Trainer
 
     workdir = Path(tempfile.mkdtemp(prefix="grpo_"))
@@ -78,7 +78,7 @@ def main() -> None:
         from gen_drift import install
 
         install(diagnostics)
-    history = run(cfg)
+    history = train(cfg)
     wall = time.perf_counter() - t_start
     assert len(history) == len(recompute) == len(optimizer) == args.steps, (
         len(history), len(recompute), len(optimizer)

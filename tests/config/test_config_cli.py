@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import assert_one_line_error, run_cli
 from torchtitan_rl.config import JobConfig, load_toml, parse_args
-from torchtitan_rl.runs import run_to_resume
+from torchtitan_rl.run.folder import run_to_resume
 
 REPO = Path(__file__).resolve().parents[2]
 

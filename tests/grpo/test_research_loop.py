@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.test_simple_grpo import _chat_config, _config, run
+from tests.test_simple_grpo import _chat_config, _config, train
 
 RESEARCH = dict(epochs=2, mini_batches=2, dynamic_sampling=True, dynamic_sampling_max_rounds=2,
                 overlong="soft_penalty", overlong_buffer=2, entropy_coef=0.01, clip_eps_high=0.28,
@@ -21,17 +21,17 @@ def _research(cfg):
 
 @pytest.mark.slow
 def test_resume_at_a_batch_boundary_is_exact_with_epochs_and_dynamic_sampling(tmp_path):
-    a = run(_research(_config(tmp_path / "a", steps=4)))
+    a = train(_research(_config(tmp_path / "a", steps=4)))
 
     def config(steps):
         cfg = _research(_config(tmp_path / "b", steps=steps))
         cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 2
         return cfg
 
-    run(config(2))
+    train(config(2))
     resumed = config(4)
     resumed.resume = True
-    b = run(resumed)
+    b = train(resumed)
 
     assert [r["step"] for r in b] == [2, 3]
     keys = ("reward_mean", "loss", "grad_norm", "ratio_max", "clip_fraction", "entropy", "groups_dropped",
@@ -51,7 +51,7 @@ def test_evaluation_samples_and_per_level_rewards_reach_jsonl_and_tensorboard(tm
 
     cfg = _chat_config(tmp_path, smollm2_dir, steps=2, levels=(1, 3))
     cfg.eval.every_n_steps, cfg.metrics.samples_per_eval = 2, 3
-    history = run(cfg)
+    history = train(cfg)
 
     samples = [json.loads(line) for line in (tmp_path / "latest" / "samples.jsonl").read_text().splitlines()]
     # Before the first step and after the last, 3 completions each, with the weights that wrote them.
@@ -71,7 +71,7 @@ def test_overlong_mask_takes_exactly_the_cut_completions_out_of_the_loss(tmp_pat
         cfg = _config(tmp_path / name, steps=1)
         cfg.generator.sampling.max_tokens = 2
         cfg.grpo.overlong = overlong
-        return run(cfg)[0]
+        return train(cfg)[0]
 
     off, masked = one_step("off", "off"), one_step("mask", "mask")
     B = 32 * 8  # cpu_tiny's prompts_per_step x group_size

@@ -12,7 +12,7 @@ from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import build_titan_model
-from torchtitan_rl.models.vllm_model import all_tensors, sync_targets
+from torchtitan_rl.engine.vllm_model import all_tensors, sync_targets
 from torchtitan_rl.weight_sync.plan import build_plan
 
 FAMILIES = ["qwen3", "llama"]

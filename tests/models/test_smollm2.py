@@ -5,7 +5,7 @@ import torch
 
 from tests.models.test_families import FP32_ATOL, make_trainer, shape_of
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.engine.engine import Engine
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 # bf16 tolerance, relative to transformers' own bf16 forward of the same
@@ -59,7 +59,7 @@ def test_smollm2_trainer_and_generator_agree_with_transformers(smollm2_dir, tmp_
     torch.testing.assert_close(lp32, hf32, atol=FP32_ATOL, rtol=0)  # fp32: measured 0.0 here too
 
     trainer = make_trainer(smollm2_dir, tmp_path / "bf16", dtype="bfloat16")
-    gen = Generator(
+    gen = Engine(
         GeneratorConfig(max_model_len=128), model_config=ModelConfig(hf_checkpoint=str(smollm2_dir)),
         shape=shape_of(smollm2_dir), seed=0, device="cpu", workdir=tmp_path / "gen",
     )
@@ -105,7 +105,7 @@ def test_one_grpo_step_on_the_math_task_then_export(smollm2_dir, tmp_path):
     cfg.trainer.steps, cfg.grpo.prompts_per_step, cfg.grpo.group_size = 1, 2, 2
     cfg.generator.sampling.max_tokens = cfg.eval.max_tokens = 16
     cfg.eval.num_prompts = 2
-    (record,) = simple_grpo.run(cfg)
+    (record,) = simple_grpo.train(cfg)
     assert record["weight_version"] == 0 and record["tokens"] > 0
     assert record["mismatch_mean"] < 1e-4  # fp32 on both sides (the CPU config): summation order only, measured 6e-7
     evals = [json.loads(line) for line in (tmp_path / "run" / "latest" / "metrics.jsonl").read_text().splitlines()]

@@ -38,7 +38,7 @@ def _torchrun(output_dir: Path, *extra: str) -> None:
 
 
 def _records(output_dir: Path) -> list[dict]:
-    """The newest run's metrics (runs.py: each run in its own folder, `latest` pointing at it)."""
+    """The newest run's metrics (run/folder.py: each run in its own folder, `latest` pointing at it)."""
     return [json.loads(line) for line in (output_dir / "latest" / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -72,7 +72,7 @@ def test_every_rank_samples_what_one_process_does(two_rank_run, tmp_path):
     cfg = load_toml(CPU_TINY)
     cfg.job.output_dir = str(tmp_path)
     cfg.trainer.steps = 1
-    one = simple_grpo.run(cfg)
+    one = simple_grpo.train(cfg)
     gc.collect()
     # Rank r sampled prompts [r * P/2, (r + 1) * P/2) of the batch, each seeded by its global index: the same
     # samples as one engine generating all of them (a row of vLLM's CPU forward does not depend on its batch).

@@ -24,7 +24,7 @@ from tests.helpers import assert_one_line_error, run_cli
 from tests.helpers import BF16_MISMATCH_MEAN, free_port
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml, validate
-from torchtitan_rl.rollout.remote import _Mailbox, _receive
+from torchtitan_rl.serving.own_rank import Mailbox, _receive
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
@@ -120,7 +120,7 @@ def test_two_replicas_sample_what_one_colocated_engine_does(nccl_run, tmp_path):
     cfg.job.output_dir = str(tmp_path)
     cfg.grpo.max_staleness, cfg.grpo.importance_correction = ASYNC["grpo.max_staleness"], "truncate"
     cfg.trainer.steps = 2
-    colocated = simple_grpo.run(cfg)  # one process: trainer and generator together, no overlap
+    colocated = simple_grpo.train(cfg)  # one process: trainer and generator together, no overlap
     gc.collect()
     # Same initial weights, prompts and seeds, the same schedule: the same samples at both steps, step 1's
     # from the first weights in both layouts, though each replica sampled half of the prompts in a batch of
@@ -208,7 +208,7 @@ def test_run_refuses_nccl_outside_torchrun(tmp_path, monkeypatch):
     cfg = load_toml(CPU_TINY)
     cfg.job.output_dir, cfg.weight_sync.transport = str(tmp_path), "nccl"
     with pytest.raises(ValueError, match="weight_sync.transport: 'nccl'.*torchrun"):
-        simple_grpo.run(cfg)
+        simple_grpo.train(cfg)
 
 
 def test_nccl_layout_validation():
@@ -255,13 +255,13 @@ class _NoSync:
 
 def test_waits_for_a_dead_peer_end_with_a_clear_error():
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timedelta(seconds=30))
-    mailbox = _Mailbox(store, timeout_s=0.5, peer="trainer")
+    mailbox = Mailbox(store, timeout_s=0.5, peer="trainer")
     with pytest.raises(RuntimeError, match=r"no request from the trainer within weight_sync.peer_timeout_s"):
         mailbox.get("msg", "request")
     with pytest.raises(RuntimeError, match="announced a sync but sent nothing"):
         _receive(_NoSync(), mailbox, timeout_s=0.5)
     # A trainer that rejected its state dict sends "stop" instead: the generator stops waiting at once.
-    trainer = _Mailbox(store, timeout_s=0.5, peer="generator rank")
+    trainer = Mailbox(store, timeout_s=0.5, peer="generator rank")
     trainer.put("msg", {"op": "stop"})
     _receive(_NoSync(), mailbox, timeout_s=30.0)
     assert mailbox.get("msg", "request") == {"op": "stop"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_simple_grpo import _chat_config, run
+from tests.test_simple_grpo import _chat_config, train
 from torchtitan_rl.config import EvalSetConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ def test_status_tables_a_two_step_run_and_copies_its_metrics(tmp_path, smollm2_d
     cfg.model.max_seq_len = cfg.generator.max_model_len = 160
     cfg.eval.every_n_steps = 1
     cfg.eval.sets = (EvalSetConfig(name="word_problems", path=str(WORD_PROBLEMS), num_prompts=4, max_tokens=8),)
-    run(cfg)
+    train(cfg)
     assert (runs / "default" / "latest").is_symlink()  # what the script used to miss: runs write run-N/
 
     env = {**os.environ, "RUNS": str(runs), "NAMES": "default gspo", "OUT": str(tmp_path / "out"),

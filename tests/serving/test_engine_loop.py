@@ -5,7 +5,7 @@ import torch
 from tests.helpers import PROMPTS, make_generator, native_state, trainer_model
 from torchtitan_rl import compat
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.engine.generator import sample_seed, sampling_params
+from torchtitan_rl.engine.engine import sample_seed, sampling_params
 from torchtitan_rl.serving.engine_loop import EngineLoop
 from torchtitan_rl.weight_sync.sync import WeightSync
 

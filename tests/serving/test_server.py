@@ -29,7 +29,7 @@ import torch
 
 from tests.helpers import PROMPTS, REPO, assert_serves, free_port, make_generator, native_state, trainer_model
 from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, load_toml
-from torchtitan_rl.weight_sync.signed_store import session_namespace
+from torchtitan_rl.serving.signed_store import session_namespace
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
@@ -678,7 +678,7 @@ def test_grpo_loop_learns_through_the_server(server):
 
     cfg = _config(server.serve.port, Path(server.job.output_dir))
     cfg.trainer.steps = 40
-    history = simple_grpo.run(cfg)
+    history = simple_grpo.train(cfg)
     assert [r["weight_version"] for r in history] == list(range(40))
     first = sum(r["reward_mean"] for r in history[:5]) / 5
     last = sum(r["reward_mean"] for r in history[-5:]) / 5
@@ -691,7 +691,7 @@ def test_asynchronous_loop_through_the_server_samples_each_batch_one_version_beh
 
     cfg = _config(server.serve.port, Path(server.job.output_dir) / "async")
     cfg.trainer.steps, cfg.grpo.max_staleness, cfg.grpo.importance_correction = 5, 1, "truncate"
-    history = simple_grpo.run(cfg)
+    history = simple_grpo.train(cfg)
     assert [r["weight_version"] for r in history] == [0, 0, 1, 2, 3]
     assert [r["staleness"] for r in history] == [0, 1, 1, 1, 1]
 

@@ -11,7 +11,7 @@ import torch
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.loss import grpo_loss  # noqa: F401  (imported before the baseline, as the Trainer does)
-from torchtitan_rl.memory import estimate
+from torchtitan_rl.run.memory import estimate
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.trainer import TrainBatch, Trainer
 

@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import REPO, assert_one_line_error, run_cli
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.config.job_config import GeneratorConfig, ModelConfig, TrainerConfig
-from torchtitan_rl.memory import GIB, check_fits, count_parameters, estimate, one_line_oom
+from torchtitan_rl.run.memory import GIB, check_fits, count_parameters, estimate, one_line_oom
 from torchtitan_rl.models.families import resolve_shape
 
 WORKER = Path(__file__).with_name("memory_worker.py")

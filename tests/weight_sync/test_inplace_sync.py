@@ -169,7 +169,7 @@ def test_a_state_dict_missing_a_frozen_key_after_a_sync_is_a_value_error_naming_
 
 def test_a_sync_while_a_request_holds_kv_blocks_fails_and_serves_nothing_rather_than_a_stale_cache(generator):
     """vLLM keeps its prefix cache while any request holds blocks: the sync must not publish over it."""
-    from torchtitan_rl.engine.generator import PrefixCacheKept, sampling_params
+    from torchtitan_rl.engine.engine import PrefixCacheKept, sampling_params
     from torchtitan_rl.config import SamplingConfig
 
     model = trainer_model(seed=19)

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import PROMPTS, assert_serves, tiny_shape, trainer_model
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, TrainerConfig, WeightSyncConfig
-from torchtitan_rl.engine.generator import Generator
+from torchtitan_rl.engine.engine import Engine
 from torchtitan_rl.trainer import Trainer
 from torchtitan_rl.weight_sync.sync import WeightSync
 
@@ -52,7 +52,7 @@ def test_generator_computes_base_plus_adapter_once(tmp_path, mode):
     trainer = Trainer(TrainerConfig(), model_config=model_config, shape=tiny_shape(), seed=0,
                       device=torch.device("cpu"), output_dir=tmp_path)
     assert all(n.endswith((".lora_a", ".lora_b")) for n, p in trainer.model.named_parameters() if p.requires_grad)
-    gen = Generator(GeneratorConfig(), model_config=model_config, shape=tiny_shape(), seed=0, device="cpu",
+    gen = Engine(GeneratorConfig(), model_config=model_config, shape=tiny_shape(), seed=0, device="cpu",
                     workdir=tmp_path)
     ws = WeightSync(WeightSyncConfig(verify="full"), reference=trainer.sync_state(), generator=gen, lora=lora)
     gen_adapters = [n for n in gen.model.all_tensors() if n.endswith((".lora_a", ".lora_b"))]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import checkpoint_state, native_state, tiny_shape, trainer_model
-from torchtitan_rl.models.vllm_model import all_tensors, sync_targets
+from torchtitan_rl.engine.vllm_model import all_tensors, sync_targets
 from torchtitan_rl.weight_sync.plan import Destination, build_plan
 
 

@@ -87,7 +87,7 @@ class ParallelismConfig:
     data_parallel_shard_degree: int = -1
     """FSDP degree; -1 takes all ranks left after the other degrees."""
     data_parallel_replicate_degree: int = 1
-    """Trainer: DDP (replicate) degree. Generator: replicas R, each a whole vLLM engine on its own rank and device (weight_sync.transport nccl: the last R torchrun ranks; each batch's prompts split over them in contiguous blocks, one broadcast per bucket feeds all)."""
+    """Trainer: DDP (replicate) degree. Engine: replicas R, each a whole vLLM engine on its own rank and device (weight_sync.transport nccl: the last R torchrun ranks; each batch's prompts split over them in contiguous blocks, one broadcast per bucket feeds all)."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (generator: vLLM tensor_parallel_size; must be 1 for now, docs/scaling.md)."""
 

@@ -1,0 +1,1 @@
+"""Process groups and worlds (trainer/generator ranks), determinism, DTensor helpers."""

@@ -51,9 +51,9 @@ class World:
     """c10d backend of the weight broadcast: trainer rank 0 is its rank 0, replica r its rank 1 + r; None on
     the other trainer ranks."""
     replicas: int = 1
-    """Generator replicas (the last ``replicas`` torchrun ranks)."""
+    """Engine replicas (the last ``replicas`` torchrun ranks)."""
     replica: int = 0
-    """Generator side: this replica's index, 0..replicas-1 (its prompts block, its store keys)."""
+    """Engine side: this replica's index, 0..replicas-1 (its prompts block, its store keys)."""
 
     @property
     def sender(self) -> bool:

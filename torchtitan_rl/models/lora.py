@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.distributed.dtensor import full
-from torchtitan_rl.models.batch_invariant import bi_linear
+from torchtitan_rl.kernels.batch_invariant import bi_linear
 
 LORA_SUFFIXES = (".lora_a", ".lora_b")
 

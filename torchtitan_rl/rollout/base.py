@@ -50,7 +50,7 @@ class RolloutGenerator(Protocol):
 
     def submit(self, prompts: list[list[int]], *, n: int, stop_token_ids: list[int] | None = None,
                seed: int | None = None, sampling: SamplingConfig | None = None) -> Pending:
-        """Ask for ``n`` completions per prompt (Generator.generate's arguments); returns at once
+        """Ask for ``n`` completions per prompt (Engine.generate's arguments); returns at once
         where the layout can generate meanwhile."""
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:

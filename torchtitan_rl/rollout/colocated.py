@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.engine.generator import SLEEP_LEVELS, Generator
+from torchtitan_rl.engine.engine import SLEEP_LEVELS, Engine
 from torchtitan_rl.rollout.base import Done, Rollouts, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync.sync import WeightSync
@@ -50,7 +50,7 @@ class ColocatedGenerator:
             )
         if rank == 0 or self.every_rank:
             with compat.vllm_device(device):  # this rank's GPU, not cuda:0
-                self.generator = Generator(
+                self.generator = Engine(
                     cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
                     # each engine writes its config.json into a folder of its own
                     workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
@@ -84,7 +84,7 @@ class ColocatedGenerator:
         return Done(self.rollouts(prompts, **generate_kwargs))
 
     def rollouts(self, prompts: list[list[int]], **generate_kwargs) -> Rollouts:
-        """Generator.generate (``n``, ``stop_token_ids``, ``seed``) on this rank's block of ``prompts``, or on
+        """Engine.generate (``n``, ``stop_token_ids``, ``seed``) on this rank's block of ``prompts``, or on
         rank 0 for all of them; every rank gets the whole batch, blocks in rank order."""
         if self.every_rank:
             a, b = prompt_blocks(len(prompts), dist.get_world_size())[dist.get_rank()]

@@ -32,7 +32,7 @@ from torchtitan_rl.rollout.base import Later, Rollouts
 from torchtitan_rl.serving.protocol import ENDED, connect_host, pair_store, session_store
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
-from torchtitan_rl.weight_sync.signed_store import ForgedMessage
+from torchtitan_rl.weight_sync.store import ForgedMessage
 
 _SAY_EVERY_S = 5.0
 """How often a trainer waiting for its server says so."""

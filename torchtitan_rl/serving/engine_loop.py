@@ -1,13 +1,13 @@
 """Continuous batching for the rollout server: many concurrent requests, one engine, one thread.
 
-The Generator's ``generate`` owns the engine for one batch at a time (the
+The Engine's ``generate`` owns the engine for one batch at a time (the
 training layouts call it from one thread). A server gets requests at any
 time from many connections, so here one thread owns the engine: callers
 ``submit`` samples (thread-safe, a Future each) and the thread admits them
 between engine steps, so a new request joins the running batch at the next
 step (vLLM's continuous batching) instead of waiting for it to finish.
 
-The gate, as in the Generator:
+The gate, as in the Engine:
 - no weights yet (dummy start, or a failed sync withdrew them): a sample
   waits up to ``generator.wait_for_weights_s`` for a version, then fails
   with WeightsNotSyncedError (the server answers 503);
@@ -18,7 +18,7 @@ The gate, as in the Generator:
   meanwhile. So a sample runs start to end on one version, the one it
   reports: no response mixes two versions, and none is dropped (unless
   a sync stalls past ``sync_wait_s``: then 503).
-The loop passes itself to the NcclReceiver in the Generator's place (the
+The loop passes itself to the NcclReceiver in the Engine's place (the
 same ``model``, ``weight_version``, ``begin_sync``/``finish_sync``/``abort_sync``);
 the sync's owner then calls ``resume``, naming the session whose weights
 it published, so every sample reports the session with the version.
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_rl import compat
-from torchtitan_rl.engine.generator import Generator, WeightsNotSyncedError
+from torchtitan_rl.engine.engine import Engine, WeightsNotSyncedError
 
 
 @dataclass
@@ -76,7 +76,7 @@ class _Job:
 
 
 class EngineLoop:
-    def __init__(self, generator: Generator, *, sync_wait_s: float) -> None:
+    def __init__(self, generator: Engine, *, sync_wait_s: float) -> None:
         self.generator = generator
         self.model = generator.model
         self.sync_wait_s = sync_wait_s
@@ -133,7 +133,7 @@ class EngineLoop:
         with self._cond:
             return {"queued": len(self._queue), "running": len(self._running), **self._counts}
 
-    # -- the weight-sync receiver's hooks (it calls them in place of the Generator's) --
+    # -- the weight-sync receiver's hooks (it calls them in place of the Engine's) --
     def begin_sync(self) -> None:
         with self._cond:
             self._paused = True

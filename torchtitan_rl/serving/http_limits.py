@@ -12,7 +12,7 @@ those go to the rejection log (one line, then a count per 30 s).
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from torchtitan_rl.weight_sync.signed_store import REJECTIONS
+from torchtitan_rl.serving.signed_store import REJECTIONS
 
 
 class _HeaderDeadline(HttpToolsProtocol):

@@ -6,7 +6,7 @@ import socket
 import psutil
 import torch.distributed as dist
 
-from torchtitan_rl.weight_sync.signed_store import SignedStore, session_namespace
+from torchtitan_rl.serving.signed_store import SignedStore, session_namespace
 
 SESSION_PREFIX = "torchtitan_rl/serve"
 """Store prefix of a sync session's keys (+ /<session_namespace(token, session id)>)."""

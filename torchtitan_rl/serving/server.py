@@ -2,7 +2,7 @@
 
 ``TORCHTITAN_RL_SERVE_TOKEN=SECRET python -m torchtitan_rl.serve --config run_configs/...``
 (the token from the environment, out of sight of ``ps``) builds, from the same
-JobConfig as the trainer, the Generator (dummy weights,
+JobConfig as the trainer, the Engine (dummy weights,
 NaN-poisoned: it serves nothing before the first sync), an EngineLoop
 (continuous batching over concurrent requests, engine_loop.py) and:
 
@@ -38,7 +38,7 @@ version published last; after a LoRA run's first full sync only the adapter
 moves, one flat bucket). A session thread applies each sync between the
 engine loop's batches (EngineLoop.begin_sync drains what runs). Every
 message in the store is also signed with serve.token for its session
-(weight_sync/signed_store.py): a replayed one is rejected and ignored.
+(serving/signed_store.py): a replayed one is rejected and ignored.
 Rejections (forged messages, requests without the token or key) are logged
 the first at once, then as one count per 30 s per source. A new connect (a restarted or resumed trainer) ends the previous
 session and leaves it a signed notice that names its replacement; a trainer
@@ -66,13 +66,13 @@ import torch
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.config.validation import tokenizer_dir
 from torchtitan_rl.serving.engine_loop import EngineLoop, Sample
-from torchtitan_rl.engine.generator import WeightsNotSyncedError, sample_seed, sampling_params
+from torchtitan_rl.engine.engine import WeightsNotSyncedError, sample_seed, sampling_params
 from torchtitan_rl.serving.openai_api import ChatRequest, CompletionRequest, HttpError, parse
 from torchtitan_rl.serving.protocol import ENDED, SESSION_PREFIX, pair_store, session_prefix, session_store
 from torchtitan_rl.serving.sync_store import StoreFull, SyncStore
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
-from torchtitan_rl.weight_sync.signed_store import REJECTIONS
+from torchtitan_rl.serving.signed_store import REJECTIONS
 
 _POLL_S = 0.01
 """How often a session thread looks for the trainer's next sync header."""
@@ -350,7 +350,7 @@ class RolloutServer:
         stop = req.stop_strings()
         params, repeated = [], []
         try:
-            for i, ids in enumerate(prompts):  # group-contiguous, seeds as the in-process Generator's
+            for i, ids in enumerate(prompts):  # group-contiguous, seeds as the in-process Engine's
                 for j in range(req.n):
                     params.append(sampling_params(s, stop_token_ids=req.stop_token_ids,
                                                   seed=sample_seed(req.seed, i, j), logprobs=logprobs, stop=stop))
@@ -582,6 +582,6 @@ def tokenizer_folder(cfg: JobConfig, task, workdir: Path) -> str:
     if not isinstance(tok, PreTrainedTokenizerFast):
         tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tok.id_to_token(task.eos_id),
                                       pad_token=tok.id_to_token(task.pad_id))
-    folder = workdir / "generator_model"  # beside the config.json the Generator writes there: vLLM reads both
+    folder = workdir / "generator_model"  # beside the config.json the Engine writes there: vLLM reads both
     tok.save_pretrained(str(folder))
     return str(folder)

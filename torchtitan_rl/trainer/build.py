@@ -13,7 +13,7 @@ from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
-from torchtitan_rl.models.batch_invariant import make_batch_invariant
+from torchtitan_rl.kernels.batch_invariant import make_batch_invariant
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import ModelShape, titan_config
 from torchtitan_rl.trainer.hf_weights import load_hf_weights, load_hf_weights_sharded
@@ -51,7 +51,7 @@ def build_parallel_model(
     if model_config.hf_checkpoint is not None and not sharded_hf_load:
         load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
     if batch_invariant:
-        # The generator runs the same kernels (models/vllm_model.py), so
+        # The generator runs the same kernels (engine/vllm_model.py), so
         # logprobs match bit for bit.
         make_batch_invariant(model, replace_attention=True, device=device)
     if model_config.lora.rank:

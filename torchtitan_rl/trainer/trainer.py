@@ -28,7 +28,7 @@ from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConf
 from torchtitan_rl.grpo.batch import TrainBatch
 from torchtitan_rl.grpo.loss import grpo_loss
 from torchtitan_rl.trainer import checkpoint
-from torchtitan_rl.models.batch_invariant import sampler_token_logprobs
+from torchtitan_rl.kernels.batch_invariant import sampler_token_logprobs
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.trainer.build import build_parallel_model
 from torchtitan_rl.trainer.logprobs import (

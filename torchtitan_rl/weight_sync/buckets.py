@@ -60,7 +60,7 @@ class Bucket:
     views: tuple[list[torch.Tensor], ...]
     """Each key's slice of ``flat[0]`` and of ``flat[1]``, as its wire dtype and layout shape."""
     dests: list[torch.Tensor] | None = None
-    """Generator side: the plan's destination view per key, looked up on first use."""
+    """Engine side: the plan's destination view per key, looked up on first use."""
 
 
 class Buckets:

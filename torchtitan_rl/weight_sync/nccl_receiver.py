@@ -1,6 +1,6 @@
 """Weight sync, generator side: receive the trainer's NCCL broadcasts into the generator's tensors.
 
-Generator side (``NcclReceiver.receive``, on every replica alike): wait for a header, gate the
+Engine side (``NcclReceiver.receive``, on every replica alike): wait for a header, gate the
 generator (``begin_sync``: generate() waits), post the receives of the first
 two buckets and the verdict; on a clean verdict unpack each bucket as it lands
 with one ``torch._foreach_copy_`` into the plan's destination views while the
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.distributed.world import STORE_PREFIX, World, broadcast
-from torchtitan_rl.engine.generator import PrefixCacheKept
+from torchtitan_rl.engine.engine import PrefixCacheKept
 from torchtitan_rl.weight_sync.buckets import LEAD, Buckets, aligned, checksum
 from torchtitan_rl.weight_sync.plan import SyncPlan, build_plan
 from torchtitan_rl.weight_sync.store import get_text
@@ -32,7 +32,7 @@ from torchtitan_rl.weight_sync.verify import pick_entries, verify_constants
 
 
 class NcclReceiver:
-    """Generator side (one per replica): builds the plan from the trainer's metadata; ``receive`` applies one sync.
+    """Engine side (one per replica): builds the plan from the trainer's metadata; ``receive`` applies one sync.
 
     Every replica receives the same broadcasts; each answers for itself
     (``plan/<replica>``, ``ack/<sync>/<replica>`` in the store).

@@ -5,7 +5,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchtitan_rl.weight_sync.signed_store import ForgedMessage
+
+class ForgedMessage(RuntimeError):
+    """A store value that failed its check (serving/signed_store.py: written without the token, or replayed):
+    readers here skip it and wait for the genuine value."""
 
 
 def store_value(store: dist.Store, key: str, timeout_s: float | None) -> bytes | None:

@@ -1,4 +1,4 @@
-"""What a weight sync writes into: the contract of the Generator and of the server's EngineLoop."""
+"""What a weight sync writes into: the contract of the Engine and of the server's EngineLoop."""
 
 from typing import Protocol
 
@@ -9,7 +9,7 @@ class SyncTarget(Protocol):
     """A generator the sync writes in place: its model's tensors, and the gate around each write."""
 
     model: torch.nn.Module
-    """vLLM's model (models/vllm_model.py): ``sync_targets``, ``all_tensors``, ``engine_constants``."""
+    """vLLM's model (engine/vllm_model.py): ``sync_targets``, ``all_tensors``, ``engine_constants``."""
 
     @property
     def weight_version(self) -> int | None:

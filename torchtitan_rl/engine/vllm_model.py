@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from torchtitan_rl import compat
 from torchtitan_rl.config import LoRAConfig
-from torchtitan_rl.models.batch_invariant import attention as bi_attention, make_batch_invariant, padded_len, seqs_per_chunk
+from torchtitan_rl.kernels.batch_invariant import attention as bi_attention, make_batch_invariant, padded_len, seqs_per_chunk
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.families import family_by_model_type, load_hf_state, shape_from_hf_config
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
@@ -33,7 +33,7 @@ COMPILE_KEY = "torchtitan_rl_compile"
 
 BATCH_INVARIANT_KEY = "torchtitan_rl_batch_invariant"
 """hf_overrides key: true switches the generator's model to the batch-invariant
-kernels (models/batch_invariant.py, on CUDA with models/paged_attention.py),
+kernels (kernels/batch_invariant.py, on CUDA with kernels/paged_attention.py),
 the same the trainer runs."""
 
 
@@ -82,7 +82,7 @@ class PagedAttention(nn.Module):
         return compat.attention_metadata(self.layer_name)
 
     def _batch_invariant_paged(self, q_TNH, k_TKH, v_TKH) -> torch.Tensor:
-        from torchtitan_rl.models.paged_attention import attention, plan_tiles
+        from torchtitan_rl.kernels.paged_attention import attention, plan_tiles
 
         md = self._metadata()
         if md is None:  # vLLM's profiling run: no sequences, nothing to attend to

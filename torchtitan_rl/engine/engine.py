@@ -20,7 +20,7 @@ from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, Sampl
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.rollouts import Done, Rollouts
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
+from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 
 
 class WeightsNotSyncedError(RuntimeError):
@@ -114,7 +114,7 @@ def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed
     )
 
 
-class Generator:
+class Engine:
     def __init__(
         self,
         config: GeneratorConfig,
@@ -348,7 +348,7 @@ class Generator:
             logprobs.append(c.logprobs.logprobs)
         return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
 
-    # The loop's interface (rollout/base.py), so that a one-process caller can use a Generator directly.
+    # The loop's interface (rollout/base.py), so that a one-process caller can use an Engine directly.
     rollouts = generate
 
     def submit(self, prompts: list[list[int]], **generate_kwargs):

@@ -23,6 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from torchtitan_rl.weight_sync.store import ForgedMessage
+
 _SEP = b"\n"
 
 
@@ -74,10 +76,6 @@ class Rejections:
 
 REJECTIONS = Rejections()
 """The process's rejection log (the rollout server's forged store messages and unauthorized requests)."""
-
-
-class ForgedMessage(RuntimeError):
-    """A store value whose signature does not match (written without the token, or replayed)."""
 
 
 class SignedStore(dist.Store):

@@ -15,7 +15,7 @@ row's position add exact zeros (masked scores are -inf, exp(-inf) = 0,
 0 * v = 0; adding 0 to a partial sum changes no bit): CPU softmax sums lane
 by lane (key i in lane i % vector width) and the key sum of ``attention`` is
 torch's cascade sum over rows of 4 keys; for any length that is a multiple of
-16 neither has a tail handled differently. ``tests/models/test_batch_invariant.py``
+16 neither has a tail handled differently. ``tests/kernels/test_batch_invariant.py``
 checks it: the same sequence in batches whose longest member differs gives
 the same bits.
 
@@ -38,7 +38,7 @@ number of rows):
   mm to cuBLAS, configured through environment variables that only count
   before the process's first matmul, so we call the kernel directly).
 - RMSNorm: vLLM's per-row kernel (torch's fused rms_norm makes no promise).
-- Attention: our Triton kernel (models/paged_attention.py), which the
+- Attention: our Triton kernel (kernels/paged_attention.py), which the
   generator runs on vLLM's paged KV cache and the trainer on its contiguous
   K/V; no padding.
 - Sampled-token logprobs: the trainer calls the kernels of vLLM's GPU
@@ -178,7 +178,7 @@ class _BIAttention(torch.autograd.Function):
         ctx.save_for_backward(q_BLHD, k_BLGD, v_BLGD)
         ctx.scale, ctx.sdpa = scale, sdpa
         if q_BLHD.is_cuda:
-            from torchtitan_rl.models.paged_attention import contiguous_attention
+            from torchtitan_rl.kernels.paged_attention import contiguous_attention
 
             return contiguous_attention(q_BLHD, k_BLGD, v_BLGD, scale=scale)
         B, L, H, D = q_BLHD.shape
@@ -260,7 +260,7 @@ def make_batch_invariant(model: nn.Module, *, replace_attention: bool, device: t
     if device.type == "cpu":
         compat.set_num_threads(1)
     else:
-        from torchtitan_rl.models.paged_attention import check_shape
+        from torchtitan_rl.kernels.paged_attention import check_shape
 
         attention = model.layers["0"].attention
         check_shape(heads=attention.n_heads, kv_heads=attention.n_kv_heads, head_dim=attention.head_dim)

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from tests.helpers import PROMPTS, assert_serves, make_generator, native_state, tiny_shape, trainer_model
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.engine.generator import WeightsNotSyncedError
+from torchtitan_rl.engine.engine import WeightsNotSyncedError
 from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
 from torchtitan_rl.weight_sync.sync import WeightSync
 
@@ -76,7 +76,7 @@ def test_prompt_blocks_seeded_by_their_global_index_sample_the_whole_batch(unsyn
 def test_standalone_rollouts_from_a_local_hf_checkpoint(tmp_path):
     """Opt-in debugging path: load_format='auto' serves a checkpoint with no trainer."""
     from torchtitan_rl.config import GeneratorConfig, ModelConfig
-    from torchtitan_rl.engine.generator import Generator
+    from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.models.families import to_hf
 
     model = trainer_model(seed=3)
@@ -87,7 +87,7 @@ def test_standalone_rollouts_from_a_local_hf_checkpoint(tmp_path):
     save_file({k: v.contiguous().bfloat16() for k, v in hf_state.items()}, ckpt / "model.safetensors")
     (ckpt / "config.json").write_text(json.dumps(shape.to_hf_config()))
 
-    gen = Generator(
+    gen = Engine(
         GeneratorConfig(load_format="auto"),
         model_config=ModelConfig(hf_checkpoint=str(ckpt)),
         shape=shape, seed=0, device="cpu", workdir=tmp_path,

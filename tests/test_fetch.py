@@ -1,4 +1,4 @@
-"""models/fetch.py: the PyPI GGUF becomes an HF folder that transformers loads and that answers."""
+"""fetch.py: the PyPI GGUF becomes an HF folder that transformers loads and that answers."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import run_module
-from torchtitan_rl.models.fetch import MARKER, fetch
+from torchtitan_rl.fetch import MARKER, fetch
 
 
 def test_smollm2_folder_is_a_llama_checkpoint_with_its_chat_template(smollm2_dir):
@@ -36,7 +36,7 @@ def test_fetch_is_idempotent_and_refuses_a_foreign_folder(smollm2_dir, tmp_path)
     assert (smollm2_dir / MARKER).is_file()
 
     (tmp_path / "notes.txt").write_text("mine")
-    proc = run_module("torchtitan_rl.models.fetch", "smollm2-135m-instruct", "--out", str(tmp_path))
+    proc = run_module("torchtitan_rl.fetch", "smollm2-135m-instruct", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"torchtitan_rl: error: fetch: {tmp_path} exists, is not empty and was not written by this command"

@@ -1,0 +1,133 @@
+"""A generator on its own rank (weight_sync.transport = "nccl"): the replica's whole run, and the mailbox protocol
+it answers (the trainer's side: rollout/remote.py's RemoteGenerator).
+
+torchrun starts T + R processes: ranks 0..T-1 train (FSDP over them, their
+default process group excludes the rest), the last R ranks each hold one
+generator replica on its own device (distributed/world.py's ``init_world``;
+R = generator.parallelism.data_parallel_replicate_degree). Trainer rank 0
+drives; each replica answers its own mailbox in order:
+
+    trainer rank 0 (RemoteGenerator)          each generator replica (serve)
+    "start"                                   builds its sync plan (NcclReceiver)
+    "sync"     + NcclSender.sync (all ranks)  NcclReceiver.receive (one broadcast feeds all replicas)
+    "generate" {its block of prompts,         Engine.generate -> the pickled Rollouts
+                first_prompt, n, seed, ...}
+    "stop"     (also after a trainer error)   closes the engine, returns
+
+A request's prompts are split over the replicas in contiguous blocks
+(``prompt_blocks``); each replica seeds its samples by their global prompt
+index (``first_prompt``), and the blocks' rollouts are concatenated in
+replica order, so a batch is the same whatever R (bit for bit on CPU;
+elsewhere up to the float rounding of other batch shapes, none in
+batch-invariant mode).
+
+Messages and rollouts go through the job's store, one key each, deleted by
+the reader, so the store does not grow; the weights go over the broadcast
+group of NcclSender/NcclReceiver. A replica answers in order, so a
+"generate" posted before a "sync" is served with the weights before it:
+``submit`` posts and returns, and the trainer trains while the generators
+work (grpo.max_staleness); ``sync`` first collects the replies still
+owed, since each replica reaches the sync only after them. The generators
+need no task and no prompt RNG: each request carries its prompts and seed,
+so a resumed trainer (RNG state from the checkpoint) drives them unchanged.
+Every wait that only a crash on the other side could make endless gives up
+after ``weight_sync.peer_timeout_s`` with a RuntimeError.
+"""
+
+import pickle
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torchtitan_rl import compat
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.distributed.world import World
+from torchtitan_rl.engine.engine import Engine
+from torchtitan_rl.models.shape import ModelShape
+from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
+from torchtitan_rl.weight_sync.store import store_value
+
+_PREFIX = "torchtitan_rl/generator"
+_POLL_S = 1.0
+"""How often the generator, waiting for a sync's data, checks whether the trainer moved on."""
+
+
+class Mailbox:
+    """Numbered pickled messages between trainer rank 0 and one replica through the job's store; the reader
+    deletes each key it reads."""
+
+    def __init__(self, store: dist.Store, *, timeout_s: float, peer: str, replica: int = 0) -> None:
+        self.store = dist.PrefixStore(f"{_PREFIX}/{replica}", store)
+        self.timeout_s, self.peer = timeout_s, peer
+        self.sent = {"msg": 0, "reply": 0}
+        self.read = {"msg": 0, "reply": 0}
+
+    def put(self, box: str, value) -> None:
+        self.store.set(f"{box}/{self.sent[box]}", pickle.dumps(value))
+        self.sent[box] += 1
+
+    def waiting(self, box: str) -> bool:
+        """Whether the next ``box`` entry has arrived."""
+        return self.store.check([f"{box}/{self.read[box]}"])
+
+    def get(self, box: str, what: str):
+        key = f"{box}/{self.read[box]}"
+        raw = store_value(self.store, key, self.timeout_s)
+        if raw is None:
+            raise RuntimeError(
+                f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
+                f"({self.timeout_s:g} s); did it crash?"
+            )
+        value = pickle.loads(raw)
+        self.store.delete_key(key)
+        self.read[box] += 1
+        return value
+
+
+def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> None:
+    """One generator replica's whole run: build the engine, answer trainer rank 0 until "stop"."""
+    assert world.role == "generator"
+    if world.replicas > 1:  # each writes the config.json its engine reads: not one file rewritten under another
+        workdir = workdir / f"replica{world.replica}"
+    with compat.vllm_device(world.device):  # this rank's GPU, not cuda:0
+        generator = Engine(
+            cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
+            device=world.device.type, workdir=workdir, batch_invariant=cfg.batch_invariant_mode,
+        )
+    try:
+        mailbox = Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer="trainer",
+                           replica=world.replica)
+        if mailbox.get("msg", "start message")["op"] == "stop":  # the trainer failed before its first sync
+            return
+        receiver = NcclReceiver(generator=generator, world=world, timeout_s=cfg.weight_sync.peer_timeout_s)
+        while True:
+            request = mailbox.get("msg", "request")
+            op = request.pop("op")
+            if op == "stop":
+                return
+            if op == "sync":
+                _receive(receiver, mailbox, cfg.weight_sync.peer_timeout_s)
+                continue
+            assert op == "generate", op
+            try:
+                rollouts = generator.generate(request.pop("prompts"), **request)
+            except Exception as e:  # the trainer raises it too, rather than wait for rollouts
+                mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
+                raise
+            mailbox.put("reply", {"rollouts": rollouts})
+    finally:
+        generator.close()
+
+
+def _receive(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
+    """One sync. A trainer that rejects its state dict sends nothing and stops: don't wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while receiver.receive(timeout_s=_POLL_S) is None:
+        if mailbox.waiting("msg"):  # the next message ("stop") came instead of the sync's data
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"generator: the trainer announced a sync but sent nothing within weight_sync.peer_timeout_s "
+                f"({timeout_s:g} s); did it crash?"
+            )
