@@ -12,7 +12,8 @@ import pytest
 from tests.helpers import assert_one_line_error, run_cli, run_module
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, write_toml
-from torchtitan_rl.run.folder import check_changes, plan_run, publish
+from torchtitan_rl.run.folder import publish
+from torchtitan_rl.run.plan import check_changes, plan_run
 from torchtitan_rl.trainer import checkpoint
 
 CPU_TINY = Path(__file__).resolve().parents[1] / "run_configs" / "cpu_tiny.toml"

@@ -23,7 +23,7 @@ from torch.distributed.run import parse_args, run
 SAID = "torchtitan_rl:"
 """How a rank's own line starts (run.exits.RankExits.end writes it into the rank's torchelastic error file too)."""
 USER_ERROR = 2
-"""A rank's exit code for a user error: rank 0 printed the line (config errors, run.folder.agree)."""
+"""A rank's exit code for a user error: rank 0 printed the line (config errors, run.plan.agree)."""
 
 
 def main(argv: list[str] | None = None) -> None:

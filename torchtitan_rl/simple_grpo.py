@@ -78,7 +78,8 @@ def train(cfg: JobConfig) -> list[dict]:
     from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
     from torchtitan_rl.rollout.queue import RolloutQueue
     from torchtitan_rl.serving.own_rank import serve
-    from torchtitan_rl.run.folder import agree, publish, starting
+    from torchtitan_rl.run.folder import publish, starting
+    from torchtitan_rl.run.plan import agree
     from torchtitan_rl.trainer import Trainer
 
     started = time.perf_counter()

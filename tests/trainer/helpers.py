@@ -28,6 +28,6 @@ def make_batch(*, seed: int, batch_size: int = 8, prompt_len: int = 5, seq_len: 
 
 
 def load_newest(trainer) -> dict | None:
-    """Restore the trainer's newest checkpoint that verifies (as run.folder.plan_run picks it); its extra, or None."""
+    """Restore the trainer's newest checkpoint that verifies (as run.plan.plan_run picks it); its extra, or None."""
     found = checkpoint.newest_verified(trainer.checkpoint_folder)
     return None if found is None else trainer.load_checkpoint(found[1])

@@ -94,7 +94,7 @@ class RankExits:
 
     def fail(self, error: BaseException, *, traceback_dir: Path) -> None:
         """End this rank for an exception out of the run (a ValueError: a user error, exit 2); a bug's
-        traceback goes to ``traceback_dir``/error_rank<R>.txt. SystemExit: another rank says why (run.folder.agree)."""
+        traceback goes to ``traceback_dir``/error_rank<R>.txt. SystemExit: another rank says why (run.plan.agree)."""
         if isinstance(error, SystemExit):
             self.done()  # no failure of this rank's own: no line, no traceback, not a dead peer for the others
             sys.stdout.flush()
