@@ -41,7 +41,7 @@ def measure(cfg, *, repeats: int, out_dir: Path, profile: bool = False) -> dict:
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=device,
                       output_dir=out_dir, batch_invariant=bi)
     gen = Engine(cfg.generator, model_config=cfg.model, shape=shape, seed=0, device=device.type,
-                    workdir=out_dir, batch_invariant=bi)
+                 workdir=out_dir, batch_invariant=bi)
     sync = WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=gen)
     sync.sync(trainer.sync_state(), version=0)
     rng = random.Random(0)

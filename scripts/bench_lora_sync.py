@@ -26,7 +26,7 @@ def one_mode(flavor: str, lora: LoRAConfig, *, device: str, repeats: int, workdi
     trainer = Trainer(TrainerConfig(), model_config=model_config, shape=shape, seed=0,
                       device=torch.device(device), output_dir=workdir)
     gen = Engine(GeneratorConfig(max_model_len=128, max_num_seqs=8, gpu_memory_utilization=0.2),
-                    model_config=model_config, shape=shape, seed=0, device=device, workdir=workdir)
+                 model_config=model_config, shape=shape, seed=0, device=device, workdir=workdir)
     ws = WeightSync(WeightSyncConfig(verify="off"), reference=trainer.sync_state(), generator=gen, lora=lora)
     version = iter(range(10_000))
     first = ws.sync(trainer.sync_state(), version=next(version))

@@ -116,7 +116,7 @@ def load_test(args, workdir: Path) -> list[list]:
         proc.wait(timeout=60)
 
     generator = Engine(cfg.generator, model_config=cfg.model, shape=trainer_shape(), seed=0, device="cpu",
-                          workdir=workdir / "local")
+                       workdir=workdir / "local")
     try:
         WeightSync(WeightSyncConfig(), reference=native_state(model), generator=generator).sync(
             native_state(model), version=1)

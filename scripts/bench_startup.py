@@ -78,7 +78,7 @@ def worker(kind: str, config: str, ckpt: Path, device: str) -> dict:
         config = cfg.generator
         config.load_format = "auto"
         gen = Engine(config, model_config=ModelConfig(**{**vars(cfg.model), "hf_checkpoint": str(ckpt)}),
-                        shape=shape, seed=0, device=device, workdir=workdir)
+                     shape=shape, seed=0, device=device, workdir=workdir)
         t1 = time.perf_counter()
         ids = gen.generate(PROMPTS, n=1, sampling=sampling, seed=0).completion_ids
     else:  # vLLM's native Qwen3 from the same checkpoint

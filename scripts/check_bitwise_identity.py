@@ -37,7 +37,7 @@ def compare(cfg, *, batch_sizes: list[int], out_dir: Path) -> list[list]:
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
                       device=device, output_dir=out_dir, batch_invariant=bi)
     generator = Engine(cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
-                          device=device.type, workdir=out_dir, batch_invariant=bi)
+                       device=device.type, workdir=out_dir, batch_invariant=bi)
     WeightSync(cfg.weight_sync, reference=trainer.sync_state(), generator=generator).sync(
         trainer.sync_state(), version=1
     )

@@ -90,7 +90,7 @@ def main() -> None:
     config = GeneratorConfig(max_model_len=max_len, max_num_seqs=args.prompts * args.n, kv_cache_memory_gb=1.0,
                              async_scheduling=not args.no_async, compile=args.compile, enforce_eager=not args.compile)
     gen = Engine(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device="cpu",
-                    workdir=Path(tempfile.mkdtemp(prefix="prof_host_")))
+                 workdir=Path(tempfile.mkdtemp(prefix="prof_host_")))
     titan = build_titan_model(shape, seed=0)
     state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}
     WeightSync(WeightSyncConfig(), reference=state, generator=gen).sync(state, version=1)

@@ -113,7 +113,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             raise ValueError(f"--model: the tokenizer of {tokenizer_folder} has ids past {model_dir}'s vocab_size "
                              f"{shape.vocab_size}")
         generator = Engine(generator_config, model_config=ModelConfig(hf_checkpoint=model_dir, dtype=dtype),
-                              shape=shape, seed=seed, device=device.type, workdir=Path(tmp))
+                           shape=shape, seed=seed, device=device.type, workdir=Path(tmp))
         try:
             evaluator = Evaluator(eval_config, task=None, spec="", sampling=sampling, seed=seed,
                                   max_total_tokens=max_len, sets=loaded)

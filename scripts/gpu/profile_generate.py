@@ -90,7 +90,7 @@ def worker(variant: str, args) -> dict:
     config.check("generator")
     t = time.perf_counter()
     gen = Engine(config, model_config=ModelConfig(flavor=args.flavor), shape=shape, seed=0, device=args.device,
-                    workdir=Path(tempfile.mkdtemp(prefix="prof_gen_")))
+                 workdir=Path(tempfile.mkdtemp(prefix="prof_gen_")))
     build_s = time.perf_counter() - t
     state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}
     ws = WeightSync(WeightSyncConfig(), reference=state, generator=gen)

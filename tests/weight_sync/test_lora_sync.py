@@ -53,7 +53,7 @@ def test_generator_computes_base_plus_adapter_once(tmp_path, mode):
                       device=torch.device("cpu"), output_dir=tmp_path)
     assert all(n.endswith((".lora_a", ".lora_b")) for n, p in trainer.model.named_parameters() if p.requires_grad)
     gen = Engine(GeneratorConfig(), model_config=model_config, shape=tiny_shape(), seed=0, device="cpu",
-                    workdir=tmp_path)
+                 workdir=tmp_path)
     ws = WeightSync(WeightSyncConfig(verify="full"), reference=trainer.sync_state(), generator=gen, lora=lora)
     gen_adapters = [n for n in gen.model.all_tensors() if n.endswith((".lora_a", ".lora_b"))]
     assert bool(gen_adapters) == (mode == "adapter")
