@@ -1,6 +1,12 @@
 """Session fixtures shared by every test folder."""
 
+import os
 from pathlib import Path
+
+# Before torch loads OpenMP: the suite's two workers share CI's two cores, and many tests start more processes
+# (torchrun ranks, a server) that inherit this. At one OpenMP thread each they take turns on the cores instead
+# of spinning on each other (docs/benchmarks.md, "Test suite"); a test that needs more threads sets them itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
