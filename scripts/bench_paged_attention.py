@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import median_seconds, table, write_section  # noqa: E402
 
-from torchtitan_rl.models import paged_attention as pa  # noqa: E402
+from torchtitan_rl.kernels import paged_attention as pa  # noqa: E402
 
 CONFIG = ("_ROWS", "_BLOCK_N", "_NUM_WARPS", "_NUM_STAGES")
 

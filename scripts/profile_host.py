@@ -38,12 +38,12 @@ def timed(obj, name: str, totals: dict, key: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def dict_logprobs(generator_module, engine) -> None:
+def dict_logprobs(engine_module, engine) -> None:
     """The old path: vLLM's per-token logprob dicts (flat_logprobs off), turned into the flat lists that
     generate reads when each request finishes (as the old generate read the dicts once, at the end)."""
     from vllm.logprobs import FlatLogprobs
 
-    real_params, real_step = generator_module.sampling_params, engine.step
+    real_params, real_step = engine_module.sampling_params, engine.step
 
     def params(*a, **kw):
         p = real_params(*a, **kw)
@@ -59,7 +59,7 @@ def dict_logprobs(generator_module, engine) -> None:
                 c.logprobs = flat
         return outputs
 
-    generator_module.sampling_params, engine.step = params, step
+    engine_module.sampling_params, engine.step = params, step
 
 
 def main() -> None:
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-    from torchtitan_rl.engine import generator as generator_module
+    from torchtitan_rl.engine import engine as engine_module
     from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
@@ -95,7 +95,7 @@ def main() -> None:
     state = {**dict(titan.named_parameters()), **dict(titan.named_buffers())}
     WeightSync(WeightSyncConfig(), reference=state, generator=gen).sync(state, version=1)
     if args.dict_logprobs:
-        dict_logprobs(generator_module, gen.engine)
+        dict_logprobs(engine_module, gen.engine)
     rng = random.Random(0)
     vocab = shape.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]

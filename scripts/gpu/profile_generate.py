@@ -73,7 +73,7 @@ def worker(variant: str, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from torchtitan_rl.config import GeneratorConfig, ModelConfig, SamplingConfig, WeightSyncConfig
-    from torchtitan_rl.engine import generator as generator_module
+    from torchtitan_rl.engine import engine as engine_module
     from torchtitan_rl.engine.engine import Engine
     from torchtitan_rl.models.families import resolve_shape
     from torchtitan_rl.models.shape import build_titan_model
@@ -96,7 +96,7 @@ def worker(variant: str, args) -> dict:
     ws = WeightSync(WeightSyncConfig(), reference=state, generator=gen)
     ws.sync(state, version=1)
     if variant == "dict_logprobs":
-        dict_logprobs(generator_module, gen.engine)
+        dict_logprobs(engine_module, gen.engine)
     rng = random.Random(0)
     prompts = [[rng.randrange(shape.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
     sampling = SamplingConfig(temperature=1.0, max_tokens=args.max_tokens)

@@ -11,7 +11,7 @@ import torch
 
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
-from torchtitan_rl.models import batch_invariant as bi
+from torchtitan_rl.kernels import batch_invariant as bi
 from torchtitan_rl.trainer import Trainer
 
 from tests.helpers import tiny_shape

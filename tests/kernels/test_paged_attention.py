@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from torchtitan_rl.models import paged_attention
+from torchtitan_rl.kernels import paged_attention
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
