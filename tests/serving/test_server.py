@@ -196,6 +196,7 @@ def test_requests_before_the_first_sync_get_503_and_a_waiting_one_gets_version_1
     assert _get(server, "/health")["weight_version"] == 1
 
 
+@pytest.mark.slow
 def test_completions_equal_the_in_process_generators(server, tmp_path):
     trainer = _connect(server)
     model = trainer_model(seed=2)
@@ -368,6 +369,7 @@ def _process_listeners(pid: int) -> list[tuple[str, int]]:
     return found
 
 
+@pytest.mark.slow
 def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server):
     """An attacker without the token tries a TCPStore client on every port the server process listens on and
     deletes every key it can list, parks 1 MiB values, and writes to the store's HTTP route: the sync lands."""
@@ -785,6 +787,7 @@ def test_a_busy_port_is_one_line_and_exit_2_before_the_engine_starts(tmp_path):
     assert not (tmp_path / "generator_model").exists()  # the engine was never built
 
 
+@pytest.mark.slow
 def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_path):
     """A standalone server on SmolLM2's own weights (generator.load_format auto: version 0, no trainer)."""
     from transformers import AutoTokenizer
