@@ -152,7 +152,8 @@ def worker(layout: str, mode: str, config: str, out: Path) -> None:
 
         step("A built, generates", lambda: build("a"))
         step("B built beside A, both generate", lambda: build("b") + builder.generate(engines["a"], 2, "a2"))
-        step("A shut down, B generates", lambda: compat.shutdown_engine(engines["a"]) or builder.generate(engines["b"], 2, "b2"))
+        step("A shut down, B generates",
+             lambda: compat.shutdown_engine(engines["a"]) or builder.generate(engines["b"], 2, "b2"))
         step("B shut down, C built, generates", lambda: compat.shutdown_engine(engines["b"]) or build("c"))
         res["steps"] = steps
     elif builds:
@@ -235,7 +236,8 @@ def main() -> None:
     for layout in args.layouts:
         repeats = args.repeats if layout in ("one", "every") else 1
         for i in range(repeats):
-            for mode in MODES:  # alternated, so a load change on the shared CPU hits both ways alike
+            # Alternated, first one way then the other, so a load change on the shared CPU hits both alike.
+            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
                 results.setdefault(f"{layout}/{mode}", []).append(start(layout, mode, args.config, args.timeout))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -256,39 +258,44 @@ def report(results: dict, args) -> str:
             ok = [s for s in starts if s["ended"] == "ok"]
             if layout == "sequential":
                 detail = "; ".join(f"{name}: {what}" for name, what in ok[0]["ranks"][0]["steps"]) if ok else ""
-                rows.append([layout, mode, f"{len(ok)}/{len(starts)}", "", "", "", "",
+                rows.append([layout, mode, f"{len(ok)}/{len(starts)}", "", "", "", "", "",
                              detail or starts[0]["ended"] if starts else "not run"])
                 continue
             built = [r for s in ok for r in s["ranks"] if "build_s" in r]
             if not built:
-                rows.append([layout, mode, f"0/{len(starts)}", "", "", "", "", starts[0]["ended"] if starts else ""])
+                rows.append([layout, mode, f"0/{len(starts)}", *[""] * 5, starts[0]["ended"] if starts else ""])
                 continue
             build = _median([r["build_s"] for r in built])
             peak = _median([r["peak_mib"] for r in built])
             over = _median([r["peak_mib"] - r["rss_before_mib"] for r in built])
             wall = _median([s["wall_s"] for s in ok])
-            numbers[(layout, mode)] = (build, peak, over, wall)
+            fastest = min(r["build_s"] for r in built)
+            numbers[(layout, mode)] = (build, peak, over, wall, fastest)
             group = {r.get("default_group_after_shutdown") for r in built} - {None}
             notes = f"default group alive after engine shutdown: {'/'.join(map(str, sorted(group)))}"
             if any("trainer_all_reduce" in r for s in ok for r in s["ranks"]):
                 notes += "; trainer all_reduce after the build: ok"
-            rows.append([layout, mode, f"{len(ok)}/{len(starts)}", f"{build:.2f}", f"{peak:.0f}", f"{over:.0f}",
-                         f"{wall:.1f}", notes])
+            rows.append([layout, mode, f"{len(ok)}/{len(starts)}", f"{build:.2f}", f"{fastest:.2f}", f"{peak:.0f}",
+                         f"{over:.0f}", f"{wall:.1f}", notes])
     ratios = []
     for layout in args.layouts:
         p, e = numbers.get((layout, "patches")), numbers.get((layout, "external_launcher"))
         if p and e:
-            ratios.append(f"{layout}: external_launcher / patches = build {e[0] / p[0]:.2f}x, peak RSS "
-                          f"{e[1] / p[1]:.2f}x, RSS over the pre-build {e[2] / p[2]:.2f}x, process {e[3] / p[3]:.2f}x")
+            ratios.append(f"{layout}: external_launcher / patches = build {e[0] / p[0]:.2f}x (fastest "
+                          f"{e[4] / p[4]:.2f}x), peak RSS {e[1] / p[1]:.2f}x, RSS over the pre-build "
+                          f"{e[2] / p[2]:.2f}x, process {e[3] / p[3]:.2f}x")
     return (
         f"`{args.config}` generator settings (tiny Qwen3, dummy weights, enforce_eager), one fresh process or "
-        f"2-rank torchrun job per start, {args.repeats} starts per mode in the one/every layouts (alternating "
-        f"modes), 1 elsewhere; medians over starts and ranks. The CPU was shared with other jobs: only the "
-        f"ratios within one table mean much. build = the engine constructor (s); peak = VmHWM after the build "
-        f"and a 3-8 prompt generate (MiB); over = peak minus the RSS just before the build (MiB); process = "
-        f"wall of the whole process or torchrun job incl. imports (s); a start not done in {args.timeout:.0f} s "
-        f"is hung.\n\n"
-        + table(["layout", "mode", "ok", "build s", "peak MiB", "over MiB", "process s", "notes"], rows)
+        f"2-rank torchrun job per start, {args.repeats} starts per mode in the one/every layouts (the modes "
+        f"alternating, each first in turn), 1 elsewhere; medians over starts and ranks. The CPU was shared "
+        f"with other jobs: only the ratios within one table mean much. build = the engine constructor (s), "
+        f"fastest = its quickest start (the least disturbed by other jobs); peak = VmHWM after the build and "
+        f"a 3-8 prompt generate (MiB); over = peak minus the RSS just before the build (MiB); process = wall of the whole process or torchrun job incl. imports (s); a start not "
+        f"done in {args.timeout:.0f} s is hung. Both ways run the same UniProcExecutor worker; "
+        f"external_launcher differs in how vLLM's groups are made: over the whole default group (a rank "
+        f"without an engine never joins its new_group: `first` hangs), and torn down with it at shutdown "
+        f"(EngineCore.shutdown -> cleanup_dist_env_and_memory -> destroy_process_group).\n\n"
+        + table(["layout", "mode", "ok", "build s", "fastest s", "peak MiB", "over MiB", "process s", "notes"], rows)
         + ("\n" + "\n".join(f"- {r}" for r in ratios) + "\n" if ratios else "")
     )
 
