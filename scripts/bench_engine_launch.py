@@ -290,11 +290,12 @@ def report(results: dict, args) -> str:
         f"alternating, each first in turn), 1 elsewhere; medians over starts and ranks. The CPU was shared "
         f"with other jobs: only the ratios within one table mean much. build = the engine constructor (s), "
         f"fastest = its quickest start (the least disturbed by other jobs); peak = VmHWM after the build and "
-        f"a 3-8 prompt generate (MiB); over = peak minus the RSS just before the build (MiB); process = wall of the whole process or torchrun job incl. imports (s); a start not "
-        f"done in {args.timeout:.0f} s is hung. Both ways run the same UniProcExecutor worker; "
-        f"external_launcher differs in how vLLM's groups are made: over the whole default group (a rank "
-        f"without an engine never joins its new_group: `first` hangs), and torn down with it at shutdown "
-        f"(EngineCore.shutdown -> cleanup_dist_env_and_memory -> destroy_process_group).\n\n"
+        f"a 3-8 prompt generate (MiB); over = peak minus the RSS just before the build (MiB); process = wall "
+        f"of the whole process or torchrun job incl. imports (s); a start not done in {args.timeout:.0f} s "
+        f"is hung. Both ways run the same UniProcExecutor worker; external_launcher differs in how vLLM's "
+        f"groups are made: over the whole default group (a rank without an engine never joins its new_group: "
+        f"`first` hangs), and torn down with it at shutdown (EngineCore.shutdown -> "
+        f"cleanup_dist_env_and_memory -> destroy_process_group).\n\n"
         + table(["layout", "mode", "ok", "build s", "fastest s", "peak MiB", "over MiB", "process s", "notes"], rows)
         + ("\n" + "\n".join(f"- {r}" for r in ratios) + "\n" if ratios else "")
     )
