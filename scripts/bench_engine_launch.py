@@ -101,13 +101,13 @@ class Builder:
             max_num_batched_tokens=max(2048, g.max_model_len),
         ))
 
-    def generate(self, engine, prompts: int, tag: str) -> int:
-        """Token count of ``prompts`` seeded 4-token completions (the engine stepped to the end)."""
+    def generate(self, engine, prompts: int, tag: str, tokens: int = 4) -> int:
+        """Token count of ``prompts`` seeded ``tokens``-token completions (the engine stepped to the end)."""
         from vllm import SamplingParams
 
         for i in range(prompts):
             engine.add_request(f"{tag}{i}", {"prompt_token_ids": [1, 2 + i % 7, 3, 4]},
-                               SamplingParams(max_tokens=4, seed=i, ignore_eos=True))
+                               SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True))
         tokens = 0
         while engine.has_unfinished_requests():
             tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
@@ -161,8 +161,8 @@ def worker(layout: str, mode: str, config: str, out: Path) -> None:
         t = time.perf_counter()
         engine = builder.build()
         res["build_s"] = time.perf_counter() - t
-        # Ranks generate different amounts: nothing may need them in lockstep.
-        res["tokens"] = builder.generate(engine, 3 + 5 * rank, f"r{rank}_")
+        # Ranks take different numbers of engine steps: nothing may need them in lockstep.
+        res["tokens"] = builder.generate(engine, 3 + 5 * rank, f"r{rank}_", tokens=4 + 12 * rank)
         res.update(rss_before_mib=before, peak_mib=_mib("VmHWM"))
         res["multiprocessing_env"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     if trainer_group is not None or (layout == "every"):
@@ -273,6 +273,7 @@ def report(results: dict, args) -> str:
             numbers[(layout, mode)] = (build, peak, over, wall, fastest)
             group = {r.get("default_group_after_shutdown") for r in built} - {None}
             notes = f"default group alive after engine shutdown: {'/'.join(map(str, sorted(group)))}"
+            notes += "; tokens by rank: " + ", ".join(str(r["tokens"]) for r in ok[0]["ranks"] if "tokens" in r)
             if any("trainer_all_reduce" in r for s in ok for r in s["ranks"]):
                 notes += "; trainer all_reduce after the build: ok"
             rows.append([layout, mode, f"{len(ok)}/{len(starts)}", f"{build:.2f}", f"{fastest:.2f}", f"{peak:.0f}",
@@ -290,8 +291,9 @@ def report(results: dict, args) -> str:
         f"alternating, each first in turn), 1 elsewhere; medians over starts and ranks. The CPU was shared "
         f"with other jobs: only the ratios within one table mean much. build = the engine constructor (s), "
         f"fastest = its quickest start (the least disturbed by other jobs); peak = VmHWM after the build and "
-        f"a 3-8 prompt generate (MiB); over = peak minus the RSS just before the build (MiB); process = wall "
-        f"of the whole process or torchrun job incl. imports (s); a start not done in {args.timeout:.0f} s "
+        f"a generate (MiB; rank 0: 3 prompts x 4 tokens, rank 1: 8 x 16, so the ranks step apart); over = "
+        f"peak minus the RSS just before the build (MiB); process = wall of the whole process or torchrun job "
+        f"incl. imports (s); a start not done in {args.timeout:.0f} s "
         f"is hung. Both ways run the same UniProcExecutor worker; external_launcher differs in how vLLM's "
         f"groups are made: over the whole default group (a rank without an engine never joins its new_group: "
         f"`first` hangs), and torn down with it at shutdown (EngineCore.shutdown -> "
