@@ -70,7 +70,7 @@ class Builder:
         self.vocab = vocab
 
     def build(self):
-        from torchtitan_rl.models.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
+        from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 
         g, m = self.cfg.generator, self.cfg.model
         common = dict(
@@ -81,7 +81,7 @@ class Builder:
                           COMPILE_KEY: False},
         )
         if self.mode == "patches":
-            from torchtitan_rl.engine.generator import build_engine
+            from torchtitan_rl.engine.engine import build_engine
 
             return build_engine(**common, device="cpu", gpu_memory_utilization=g.gpu_memory_utilization,
                                 kv_cache_memory_bytes=int(g.kv_cache_memory_gb * (1 << 30)),
