@@ -3,7 +3,7 @@
 Builds the generator's vLLM engine (run config's generator settings, our model class, dummy weights)
 two ways in each layout that builds an in-process engine, one fresh process (or torchrun job) per start:
 
-- patches: ``engine.generator.build_engine`` as the loop builds it (uni executor, private world, kept
+- patches: ``engine.engine.build_engine`` as the loop builds it (uni executor, private world, kept
   groups, CPU async scheduling);
 - external_launcher: the same EngineArgs with ``distributed_executor_backend="external_launcher"`` and
   none of our patches (vLLM's world over torchrun's env; a lone process gets RANK=0 etc. set here).
