@@ -8,6 +8,7 @@ these patches change behaviour, so they live here beside their one user (generat
 
 import contextlib
 import dataclasses
+import gc
 import os
 
 
@@ -67,7 +68,8 @@ def build_llm_engine(
     # colocated) would take them and no longer match its peers': put them back.
     nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
     try:
-        with _private_world(), _cpu_keeps_async_scheduling(device == "cpu" and kwargs.get("async_scheduling")):
+        with _private_world(), _cpu_keeps_async_scheduling(device == "cpu" and kwargs.get("async_scheduling")), \
+                _heap_frozen_while_building():
             engine = LLMEngine.from_engine_args(EngineArgs(**kwargs))
         _remember_world()
         return engine
@@ -75,6 +77,25 @@ def build_llm_engine(
         for k in [k for k in os.environ if k.startswith("NCCL_") and k not in nccl_env]:
             del os.environ[k]
         os.environ.update(nccl_env)
+
+
+@contextlib.contextmanager
+def _heap_frozen_while_building():
+    """The process's heap frozen for the cycle collector while vLLM builds an engine in it.
+
+    vLLM collects the whole heap several times during a build (after the model load, after the KV-cache
+    profile) and freezes it when the build is done (EngineCore's freeze_gc_heap; its shutdown unfreezes).
+    In a trainer's process that heap is also torch's, transformers' and the trainer's: frozen first, those
+    collections scan only what the build allocates (docs/benchmarks.md, "Engine build: the heap frozen").
+    A build that fails unfreezes it; one that succeeds leaves it as vLLM's own freeze does.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    except BaseException:
+        gc.unfreeze()
+        raise
 
 
 @contextlib.contextmanager
