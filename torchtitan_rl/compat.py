@@ -151,6 +151,17 @@ def vllm_sampler_logprob_kernels():
     return apply_temperature, compute_token_logprobs
 
 
+def vllm_sampler_rank_kernel_eager() -> None:
+    """vLLM's sampler counts each sampled token's rank with a torch.compile'd reduction
+    (``batched_count_greater_than``, v1/sample/ops/logprobs.py): on CPU its first call in a process
+    traces, lowers through inductor and probes the CPU's vector ISAs in subprocesses (seconds, for a
+    kernel of microseconds at our batch sizes). Use the function it wraps (same integer counts)."""
+    import vllm.v1.sample.sampler as sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "__wrapped__", compiled)
+
+
 def set_num_threads(n: int) -> None:
     """``torch.set_num_threads`` that still works once a vLLM CPU engine started.
 

@@ -11,6 +11,8 @@ import dataclasses
 import gc
 import os
 
+from torchtitan_rl import compat
+
 
 def build_llm_engine(
     *,
@@ -42,6 +44,7 @@ def build_llm_engine(
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
     if device == "cpu":
+        compat.vllm_sampler_rank_kernel_eager()  # seconds of compiling per process start, saved (compat.py)
         # vLLM's CPU backend sizes its KV cache from an explicit byte budget.
         if "kv_cache_memory_bytes" in fields:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
