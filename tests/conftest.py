@@ -1,5 +1,6 @@
 """Session fixtures shared by every test folder."""
 
+import collections
 import os
 from pathlib import Path
 
@@ -11,6 +12,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files holding the most slow tests first, each file's tests in their order.
+
+    pytest-xdist hands each worker one file at a time (--dist loadfile), in collection order (pyproject's
+    --no-loadscope-reorder; its own order, most tests first, left the one-test files of a minute or more,
+    the AVX2 re-run and the kill -9 run, for last, one worker running them while the other idled): the long
+    files start early and the short ones fill in at the end.
+    """
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
+    items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
 
 
 @pytest.fixture(scope="session")
