@@ -3,7 +3,7 @@
 vLLM expects to own its process: its engine core runs in a subprocess, it builds process groups over the
 default group's whole world and destroys them (and the default group) at shutdown, and its CPU platform turns
 async scheduling off. ``build_llm_engine`` changes each of those for the engine it builds, and nothing else;
-these patches change behaviour, so they live here beside their one user (generator.py), not in compat.py.
+these patches change behaviour, so they live here beside their one user (engine.py), not in compat.py.
 """
 
 import contextlib
@@ -24,7 +24,7 @@ def build_llm_engine(
     **engine_kwargs,
 ):
     """An in-process ``LLMEngine`` whose model object this process can touch; without ``tokenizer`` (a folder)
-    it takes and returns token ids only. Our model class must be registered first (engine.generator.build_engine)."""
+    it takes and returns token ids only. Our model class must be registered first (engine.engine.build_engine)."""
     # The engine core must run in this process for the sync to write its tensors.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's INFO lines (per-interval throughput, cache resets) drown the progress bar.
