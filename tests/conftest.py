@@ -11,6 +11,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
+from torchtitan_rl import collector
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,13 @@ def pytest_collection_modifyitems(config, items):
     slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
     first_seen = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
     items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection imports torch, vLLM and transformers: the collector paused meanwhile, as a run's start-up is."""
+    with collector.paused():
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ ENTRY_SCRIPTS = {"torchtitan_rl.simple_grpo", "torchtitan_rl.serve", "torchtitan
 # lower layers only; packages in one layer import none of each other. Names are torchtitan_rl's top-level
 # packages and modules.
 LAYERS: list[set[str]] = [
-    {"compat", "config", "disk"},  # version shims, the typed config, writing to disk
+    {"collector", "compat", "config", "disk"},  # the cycle collector, version shims, the typed config, writing to disk
     {"distributed"},  # process groups, determinism, DTensor helpers
     {"kernels"},  # batch-invariant and paged-attention kernels, trainer and engine alike
     {"models"},  # what a model is: families, shapes, LoRA, its HF folder

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchtitan_rl import collector
 from torchtitan_rl.run.exits import one_line_errors
 from torchtitan_rl.config import EvalConfig, EvalSetConfig, GeneratorConfig, ModelConfig, SamplingConfig, TaskConfig
 from torchtitan_rl.config.toml_io import load_toml
@@ -49,14 +50,15 @@ def parse_sets(specs: list[str], *, prompt_field: str, answer_field: str, verifi
 
 def evaluate(args: argparse.Namespace) -> dict:
     """Build the sets and the engine, score, and return the report (also written to ``--out``)."""
-    from torchtitan_rl.engine.engine import Engine
-    from torchtitan_rl.grpo.eval_sets import EvalSet
-    from torchtitan_rl.grpo.evaluate import Evaluator
-    from torchtitan_rl.grpo.tasks.chat import load_chat_tokenizer
-    from torchtitan_rl.run.parts import run_device
-    from torchtitan_rl.models.families import resolve_shape
-    from torchtitan_rl.models.hf_folder import check_hf_folder
-    from torchtitan_rl.run.folder import run_to_resume
+    with collector.paused():  # start-up (collector.py)
+        from torchtitan_rl.engine.engine import Engine
+        from torchtitan_rl.grpo.eval_sets import EvalSet
+        from torchtitan_rl.grpo.evaluate import Evaluator
+        from torchtitan_rl.grpo.tasks.chat import load_chat_tokenizer
+        from torchtitan_rl.run.parts import run_device
+        from torchtitan_rl.models.families import resolve_shape
+        from torchtitan_rl.models.hf_folder import check_hf_folder
+        from torchtitan_rl.run.folder import run_to_resume
 
     added = parse_sets(args.set or [], prompt_field=args.prompt_field, answer_field=args.answer_field,
                        verifier=args.verifier, num_prompts=args.num_prompts, mean_at_k=args.mean_at_k)

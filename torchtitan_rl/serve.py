@@ -10,6 +10,7 @@ syncs: serving/server.py says how. Stops on Ctrl-C / SIGTERM.
 
 from pathlib import Path
 
+from torchtitan_rl import collector
 from torchtitan_rl.run.exits import one_line_errors
 from torchtitan_rl.config import parse_args
 
@@ -24,15 +25,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(cfg) -> None:
-    import uvicorn
+    with collector.paused():  # start-up (collector.py)
+        import uvicorn
 
-    from torchtitan_rl.serving.engine_loop import EngineLoop
-    from torchtitan_rl.engine.engine import Engine
-    from torchtitan_rl.serving.http_limits import with_header_deadline
-    from torchtitan_rl.serving.protocol import bind_gloo, listen
-    from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
-    from torchtitan_rl.run.parts import run_device, run_shape, run_task
-    from transformers import AutoTokenizer
+        from torchtitan_rl.serving.engine_loop import EngineLoop
+        from torchtitan_rl.engine.engine import Engine
+        from torchtitan_rl.serving.http_limits import with_header_deadline
+        from torchtitan_rl.serving.protocol import bind_gloo, listen
+        from torchtitan_rl.serving.server import RolloutServer, SyncSessions, tokenizer_folder
+        from torchtitan_rl.run.parts import run_device, run_shape, run_task
+        from transformers import AutoTokenizer
 
     # The port first: a busy one is a one-line error now, not a traceback after the engine's start.
     http_socket = listen(cfg.serve.host, cfg.serve.port, "serve.port")

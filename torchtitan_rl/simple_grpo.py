@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from torchtitan_rl import collector
 from torchtitan_rl.run.exits import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict
@@ -62,25 +63,26 @@ def _destroy_process_group() -> None:
 
 def train(cfg: JobConfig) -> list[dict]:
     """Train; returns the metrics of the steps this call trained (rank 0 has them all; the generator rank none)."""
-    import torch.distributed as dist
-    from tqdm import tqdm
+    with collector.paused():  # start-up: the heap only grows while torch, torchtitan and vLLM import
+        import torch.distributed as dist
+        from tqdm import tqdm
 
-    from torchtitan_rl.config import validate
-    from torchtitan_rl.distributed.process_group import init_process_group
-    from torchtitan_rl.distributed.world import init_world
-    from torchtitan_rl.engine.engine import check_sleep
-    from torchtitan_rl.export import snapshot
-    from torchtitan_rl.grpo.builder import BatchBuilder
-    from torchtitan_rl.grpo.eval_sets import load_eval_sets
-    from torchtitan_rl.grpo.evaluate import Evaluator
-    from torchtitan_rl.run.parts import run_device, run_shape, run_task
-    from torchtitan_rl.run.memory import one_line_oom
-    from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
-    from torchtitan_rl.rollout.queue import RolloutQueue
-    from torchtitan_rl.serving.own_rank import serve
-    from torchtitan_rl.run.folder import publish, starting
-    from torchtitan_rl.run.plan import agree
-    from torchtitan_rl.trainer import Trainer
+        from torchtitan_rl.config import validate
+        from torchtitan_rl.distributed.process_group import init_process_group
+        from torchtitan_rl.distributed.world import init_world
+        from torchtitan_rl.engine.engine import check_sleep
+        from torchtitan_rl.export import snapshot
+        from torchtitan_rl.grpo.builder import BatchBuilder
+        from torchtitan_rl.grpo.eval_sets import load_eval_sets
+        from torchtitan_rl.grpo.evaluate import Evaluator
+        from torchtitan_rl.run.parts import run_device, run_shape, run_task
+        from torchtitan_rl.run.memory import one_line_oom
+        from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
+        from torchtitan_rl.rollout.queue import RolloutQueue
+        from torchtitan_rl.serving.own_rank import serve
+        from torchtitan_rl.run.folder import publish, starting
+        from torchtitan_rl.run.plan import agree
+        from torchtitan_rl.trainer import Trainer
 
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
@@ -132,7 +134,7 @@ def train(cfg: JobConfig) -> list[dict]:
     rank = dist.get_rank()
     generator = None
     try:
-        with starting(plan):  # a start that fails names the run folder it leaves
+        with starting(plan), collector.paused():  # a start that fails names the run folder it leaves
             with one_line_oom("the trainer's build"):
                 trainer = build_trainer()
                 reference = build_trainer() if cfg.grpo.kl_coef > 0 else None  # frozen initial policy

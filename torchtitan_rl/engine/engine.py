@@ -6,8 +6,6 @@ them with NaN, and refuses to generate until the first sync arrives; every
 batch of rollouts records the weight version it was sampled with.
 """
 
-import contextlib
-import gc
 import json
 import threading
 import time
@@ -15,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_rl import compat
+from torchtitan_rl import collector, compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.rollouts import Done, Rollouts
@@ -46,9 +44,10 @@ class PrefixCacheKept(RuntimeError):
 def build_engine(**engine_kwargs):
     """in_process.build_llm_engine with our model class registered in vLLM first (its arguments). vLLM's refusal
     of a KV cache too small for one sequence is a ValueError naming the field that sizes it."""
-    register()
     try:
-        return build_llm_engine(**engine_kwargs)
+        with collector.paused():  # vLLM's imports and build (collector.py)
+            register()
+            return build_llm_engine(**engine_kwargs)
     except ValueError as e:
         if "memory utilization" in str(e):  # vLLM: less free memory at start than the fraction asked for
             raise ValueError(f"generator.gpu_memory_utilization: {engine_kwargs['gpu_memory_utilization']} of the "
@@ -65,24 +64,6 @@ def _unmerged_lora(lora: LoRAConfig) -> dict | None:
     if not lora.rank or lora.sync != "adapter":
         return None
     return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
-
-
-@contextlib.contextmanager
-def _cycle_collector_paused():
-    """Python's cycle collector off for a generate, back on (if it was) after.
-
-    vLLM kept a Logprob object per sampled token until its request ended (flat_logprobs
-    now keeps lists), and the collector's full passes over them cost a sizeable part of a generate
-    (docs/design.md, "Why the code looks this way"). Refcounting still frees everything
-    acyclic at once; cycles made meanwhile wait for the next collection.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
@@ -325,7 +306,7 @@ class Engine:
                 self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
                 requests.append((rid, prompt))
         finished = {}
-        with _cycle_collector_paused():
+        with collector.paused():  # vLLM's per-token objects (docs/design.md)
             # Also collects a batch still in flight once every request finished (async scheduling): the
             # engine is idle when generate returns, so a sync never writes under a running iteration.
             while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
