@@ -88,9 +88,9 @@ class RankExits:
                 if signum in (signal.SIGINT, signal.SIGTERM):
                     name = signal.Signals(signum).name
                     dead = self.dead_peer()
-                    line = (f"{dead}; rank {self.rank} stopped ({name})" if dead
-                            else f"interrupted ({name}) at rank {self.rank}; every rank stops")
-                    self.end(line, 128 + signum)
+                    if dead:  # torchrun's agent stopping the job for a lost rank: the job failed, as in fail()
+                        self.end(f"{dead}; rank {self.rank} stopped ({name})", 1)
+                    self.end(f"interrupted ({name}) at rank {self.rank}; every rank stops", 128 + signum)
 
     def fail(self, error: BaseException, *, traceback_dir: Path) -> None:
         """End this rank for an exception out of the run (a ValueError: a user error, exit 2); a bug's
