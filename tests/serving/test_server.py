@@ -373,7 +373,6 @@ def _process_listeners(pid: int) -> list[tuple[str, int]]:
 ATTACKER = "127.0.0.2"
 
 
-@pytest.mark.slow
 def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server):
     """An attacker without the token tries a TCPStore client on every port the server process listens on and
     deletes every key it can list, parks 1 MiB values, and writes to the store's HTTP route: the sync lands."""
