@@ -21,6 +21,9 @@ _KEY = "torchtitan_rl/exit"
 PEER_DEATH_WAIT_S = 2.0
 """How long a failed rank looks for a dead peer to blame before it reports its own error."""
 
+_ENDING = threading.Lock()
+"""Held by the thread that ends the process: an exception and torchrun's SIGTERM can end it at once from two threads."""
+
 
 @contextmanager
 def one_line_errors():
@@ -148,25 +151,34 @@ class RankExits:
 
     def end(self, line: str, code: int) -> None:
         """Print ``line`` unless another rank's failure came first, then exit without waiting for anyone."""
-        line = f"torchtitan_rl: {line}"
+        # Two writers of the error file would interleave into JSON torchrun cannot read (its traceback, not our line);
+        # the second thread here waits for the first one's os._exit.
+        _ENDING.acquire()
+        try:
+            self._say(f"torchtitan_rl: {line}")
+        finally:  # whatever saying it met (stderr closed), the process ends
+            os._exit(code)
+
+    def _say(self, line: str) -> None:
         first = line
         if self.store is not None:
             try:
                 first = self.store.compare_set(f"{self.prefix}/first", "", line).decode()
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
+            try:  # whole or absent: a kill mid-write would leave JSON that torchrun fails on with a traceback
+                part = Path(f"{error_file}.part")
+                part.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+                os.replace(part, error_file)
+            except OSError:
+                pass
         if first == line:
             # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing)
             bar_open = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
             print(("\n" if bar_open else "") + line, file=sys.stderr, flush=True)
-        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-        if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
-            try:
-                Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
-            except OSError:
-                pass
         sys.stdout.flush()
-        os._exit(code)
 
 
 def _alive(pid: int) -> bool:
