@@ -41,9 +41,10 @@ def one(code: str, *, config: str, steps: int, cuda: bool) -> dict:
                            stdout=subprocess.PIPE, text=True) if cuda else None
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run([sys.executable, "-c", code, "--config", config, "--trainer.steps", str(steps),
-                        "--job.output_dir", out], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       capture_output=True, check=True)
+        proc = subprocess.run([sys.executable, "-c", code, "--config", config, "--trainer.steps", str(steps),
+                               "--job.output_dir", out], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
         wall = time.perf_counter() - start
         records = [json.loads(line) for line in (Path(out) / "latest" / "metrics.jsonl").read_text().splitlines()]
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -61,9 +62,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--config", default="run_configs/cpu_tiny.toml")
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="runs first, not counted (a machine's first run "
+                        "fills its compile and file caches: 117 s against 80-94 s after on an H200)")
     args = parser.parse_args()
     device = load_toml(REPO / args.config).job.device
     cuda = device.startswith("cuda")
+    for _ in range(args.warmup):
+        print("warm-up", one(MODES["paused (as shipped)"], config=args.config, steps=args.steps, cuda=cuda), flush=True)
     results = {mode: [] for mode in MODES}
     for r in range(args.repeats):
         for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
@@ -81,7 +86,8 @@ def main() -> None:
              fmt(med(mode, "step"), ".3f"), fmt(med(mode, "peak"), ".0f")] for mode in MODES]
     paused, on = "paused (as shipped)", "collector on"
     body = (f"`python -m torchtitan_rl.simple_grpo --config {args.config} --trainer.steps {args.steps}` in a fresh "
-            "process (OMP_NUM_THREADS=1), medians; \"collector on\" makes `gc.disable` a no-op in that process. "
+            f"process (OMP_NUM_THREADS=1), medians after {args.warmup} uncounted warm-up run(s); \"collector on\" "
+            "makes `gc.disable` a no-op in that process. "
             "While the heap only grows (imports of torch, torchtitan, vLLM, transformers; the trainer and engine "
             "builds) every automatic full pass of the cycle collector walks all of it again and finds almost "
             "nothing. step: the run's median step_s after step 0; GPU peak: nvidia-smi's memory.used, sampled "
