@@ -166,6 +166,10 @@ class RankExits:
                 first = self.store.compare_set(f"{self.prefix}/first", "", line).decode()
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
+        if first == line:
+            # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing)
+            bar_open = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
+            print(("\n" if bar_open else "") + line, file=sys.stderr, flush=True)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
             try:  # whole or absent: a kill mid-write would leave JSON that torchrun fails on with a traceback
@@ -174,10 +178,6 @@ class RankExits:
                 os.replace(part, error_file)
             except OSError:
                 pass
-        if first == line:
-            # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing)
-            bar_open = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
-            print(("\n" if bar_open else "") + line, file=sys.stderr, flush=True)
         sys.stdout.flush()
 
 
