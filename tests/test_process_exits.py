@@ -49,6 +49,28 @@ def slow_rank0_digits() -> SlowRank0Digits:
     return SlowRank0Digits()
 
 
+class Rank1RefusesLater(DigitsTask):
+    """The digits task, but rank 1's reward raises a user error once step 0 is over (its first reward plus
+    AFTER_S): rank 0's progress bar then shows a step and leaves its line open on the shared stderr."""
+
+    AFTER_S = 0.2
+
+    def __init__(self) -> None:
+        super().__init__(mode="copy")
+        self.first = None
+
+    def reward(self, prompt, completion_ids):
+        if os.environ.get("RANK") == "1":
+            self.first = self.first or time.monotonic()
+            if time.monotonic() - self.first > self.AFTER_S:
+                raise ValueError("grpo.task: rank 1 refuses this prompt")
+        return super().reward(prompt, completion_ids)
+
+
+def rank1_refuses_later() -> Rank1RefusesLater:
+    return Rank1RefusesLater()
+
+
 def _start(tmp_path: Path, nproc: int, *extra: str, launcher: str = "torchtitan_rl.launch") -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", launcher, "--nproc-per-node", str(nproc), "--master-port",
@@ -151,6 +173,20 @@ def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("torchtitan_rl: error: rank "), stderr[-3000:]
     assert f"export: {taken} exists and is not empty" in lines[0]
     assert proc.returncode == 2 and "ChildFailedError" not in stderr
+
+
+@pytest.mark.slow  # torchrun start-up and a real engine: ~15 s
+def test_a_rank_other_than_0_says_its_line_on_a_line_of_its_own(tmp_path):
+    """Rank 1's user error mid-run, while rank 0's progress bar holds the shared stderr's last line open: the
+    job's line still starts a line (it was glued to the bar's end, where a reader of the log misses it)."""
+    proc = _start(tmp_path, 2, "--trainer.steps", "500", "--grpo.task", "tests.test_process_exits:rank1_refuses_later")
+    with _reaped(proc):
+        _, stderr = proc.communicate(timeout=120)
+    lines = _our_lines(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0] == "torchtitan_rl: error: rank 1: grpo.task: rank 1 refuses this prompt", lines[0]
+    assert "it/s" in stderr, "rank 0's bar never showed a step: the case is not the one this test is for"
+    assert proc.returncode == 2
 
 
 def test_torchrun_itself_adds_its_report_and_traceback(tmp_path):

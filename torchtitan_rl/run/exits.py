@@ -167,9 +167,10 @@ class RankExits:
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
         if first == line:
-            # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing)
-            bar_open = any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
-            print(("\n" if bar_open else "") + line, file=sys.stderr, flush=True)
+            # rank 0's progress bar leaves its line open (no newline until it closes, and os._exit closes nothing);
+            # another rank shares rank 0's stderr but cannot see its bar, so it starts a line of its own
+            line_open = self.rank != 0 or any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
+            print(("\n" if line_open else "") + line, file=sys.stderr, flush=True)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if error_file:  # torchrun's agent reads it: the launcher then knows the job's line was said (launch.py)
             try:  # whole or absent: a kill mid-write would leave JSON that torchrun fails on with a traceback
