@@ -516,12 +516,31 @@ class ServeConfig:
     config.toml of a run written before still loads (--resume)."""
     takeover: bool = False
     """Trainer side: replace the trainer connected to the server now (it is told so in one line at its next
-    sync); without it, connecting to a server that has a trainer is a one-line error naming this field. A
-    trainer that died between syncs still holds its session: restart it with takeover."""
+    sync). Without it, a trainer that finds another connected waits until that one's session lease runs out
+    (serve.session_lease_s: a crashed trainer's does, so a plain restart reconnects) and otherwise stops with a
+    one-line error naming this field."""
     sync_store_mb: float = 64.0
     """Most MiB the trainer's sync messages (its tensor list, the plans, each sync's header) may hold in the
     server's memory; a write past it gets 413. The store is reached only through /control/store, with
     serve.token."""
+    session_lease_s: float = 30.0
+    """Server side: seconds a trainer's sync session lasts without a request from that trainer (its client
+    renews it every fifth of this while it trains, generates or syncs). A session whose lease ran out (its
+    trainer was killed or is frozen) is replaced by the next trainer that connects, without serve.takeover."""
+    ssl_certfile: str = ""
+    """Server side: PEM certificate (chain) to serve HTTPS with (uvicorn's ssl_certfile); with it the server
+    speaks TLS only, and the trainer connects with https. Without it, a serve.host beyond loopback carries
+    serve.token and serve.api_key in clear (the server says so at start)."""
+    ssl_keyfile: str = ""
+    """Server side: the PEM private key of serve.ssl_certfile (empty: the certificate file holds it)."""
+    ssl_cafile: str = ""
+    """Trainer side: PEM CA bundle, or the server's own self-signed certificate, to verify the server's
+    certificate against; setting it (or serve.ssl_certfile) makes the trainer use https. Empty: the system's
+    CAs. The certificate must name the address the trainer connects to (serve.host; 127.0.0.1 for 0.0.0.0)."""
+
+    def in_clear_beyond_loopback(self) -> bool:
+        """Whether serve.host is reachable from other machines while the server speaks plain HTTP."""
+        return not _loopback(self.host) and not self.ssl_certfile
 
     def check(self, path: str) -> None:
         """Ports, secrets and limits (secrets already filled from the environment: config.validation.check_serve)."""
@@ -537,6 +556,10 @@ class ServeConfig:
                              "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
         positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests", "sync_store_mb",
                  "max_requests_per_client", "read_timeout_s")
+        positive_float(self, path, "session_lease_s")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError(f"{path}.ssl_certfile: set it too (the certificate of serve.ssl_keyfile "
+                             f"{self.ssl_keyfile}), or drop serve.ssl_keyfile")
 
 
 @dataclass(kw_only=True)
