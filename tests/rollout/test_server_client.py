@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import free_port
 from torchtitan_rl.config import JobConfig, load_toml, to_toml
 from torchtitan_rl.config.validation import check_serve, redacted_dict
-from torchtitan_rl.rollout.server_client import ServerClient, ServerGone
+from torchtitan_rl.rollout.server_http import ServerClient, ServerGone
 
 
 def test_a_trainer_waiting_for_its_server_says_so_every_few_seconds_then_names_it(capsys):

@@ -494,7 +494,7 @@ def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server
 
 
 def test_the_sync_store_is_bounded_by_serve_sync_store_mb_and_dropped_two_sessions_later(server):
-    from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
+    from torchtitan_rl.rollout.server_http import HttpStore, ServerClient, ServerError
 
     trainer = _connect(server)
     store = HttpStore(ServerClient(f"http://127.0.0.1:{server.serve.port}", token=TOKEN), timeout_s=10)
@@ -524,7 +524,7 @@ def _rejected(cfg, what: str) -> int:
 
 
 def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server):
-    from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
+    from torchtitan_rl.rollout.server_http import HttpStore, ServerClient, ServerError
 
     trainer = _connect(server)
     models = {40: trainer_model(seed=40), 41: trainer_model(seed=41)}
@@ -672,7 +672,7 @@ def test_slow_uploads_from_one_address_are_capped_and_cut_off_while_other_client
 
 
 def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server):
-    from torchtitan_rl.rollout.server_client import ServerGone
+    from torchtitan_rl.rollout.server_http import ServerGone
 
     first = _connect(server)
     first.sync(native_state(trainer_model(seed=50)), version=50)
@@ -720,7 +720,7 @@ def _until_line(proc: subprocess.Popen, line: str) -> None:
 @pytest.mark.slow
 def test_a_killed_trainer_is_replaced_without_takeover_once_its_lease_runs_out_and_a_live_one_is_kept(server):
     """Before: after kill -9 of the trainer, every new trainer got 409 until it passed serve.takeover."""
-    from torchtitan_rl.rollout.server_client import ServerGone
+    from torchtitan_rl.rollout.server_http import ServerGone
 
     polite = dataclasses.replace(server, serve=dataclasses.replace(server.serve, takeover=False))
     worker = _worker(server, "0", "live")  # connects, syncs version 30, then "trains" for an hour
@@ -729,7 +729,7 @@ def test_a_killed_trainer_is_replaced_without_takeover_once_its_lease_runs_out_a
         time.sleep(2 * LEASE_S)  # a long train step: only its heartbeat renews the lease
         started = time.monotonic()
         with pytest.raises(ServerGone, match=r"a trainer is connected \(session [0-9a-f]{8}, since [0-9:]{8}\); "
-                                             r"connect with .* serve.session_lease_s\); or stop that trainer first"):
+                                             r"connect with .*; or stop that trainer first") as refused:
             _connect(polite)  # waits once for the lease, which the live trainer renews: then one line
         assert time.monotonic() - started < LEASE_S + 3
         status, _, body = _complete(server)
@@ -741,6 +741,8 @@ def test_a_killed_trainer_is_replaced_without_takeover_once_its_lease_runs_out_a
         status, _, body = _complete(server)
         assert status == 200 and (body["weight_version"], body["weight_session"]) == (33, trainer.session), body
         assert "(its lease ran out: no request for" in server.log.read_text()
+        assert f"or after its lease runs out ({LEASE_S:g} s without a request from it, serve.session_lease_s)" in \
+            str(refused.value) and "\n" not in str(refused.value)
     finally:
         worker.kill()
         worker.wait(timeout=30)
@@ -775,13 +777,13 @@ def test_a_frozen_server_ends_the_trainer_within_peer_timeout_s_with_one_line(se
     lines = [(t, line) for t, line in said if line.strip()]
     assert rc == 2 and len(lines) == 1 and not any("Traceback" in line for _, line in said), (rc, said[-20:])
     took, line = lines[0]
-    assert line.startswith(f"torchtitan_rl: error: rollout server http://127.0.0.1:{server.serve.port}: the sync "
-                           f"of version 31 did not finish within weight_sync.peer_timeout_s ({timeout_s:g} s)"), line
-    assert line.endswith("it does not answer (stopped?)"), line
     # The deadline runs from the sync's start, before the stop; then a 2 s probe of /health. The process's own
     # teardown (torch, gloo) takes seconds more on a loaded 2-core machine.
     assert took < timeout_s + 5, (took, line)
     assert exited < timeout_s + 20, exited
+    assert line.startswith(f"torchtitan_rl: error: rollout server http://127.0.0.1:{server.serve.port}: the sync "
+                           f"of version 31 did not finish within weight_sync.peer_timeout_s ({timeout_s:g} s)"), line
+    assert line.endswith("it does not answer (stopped?)"), line
     deadline = time.monotonic() + SYNC_TIMEOUT_S + 30  # the server, running again, ends that sync and serves on
     while server.log.read_text().count("ended:") < ended + 1:
         assert time.monotonic() < deadline, server.log.read_text()[-2000:]
@@ -885,7 +887,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
 
 @pytest.mark.slow
 def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
-    from torchtitan_rl.rollout.server_client import ServerGone
+    from torchtitan_rl.rollout.server_http import ServerGone
 
     with _server_process(tmp_path) as (cfg, proc):
         trainer = _connect(cfg)
@@ -939,7 +941,7 @@ def test_over_https_an_untrusting_trainer_is_refused_in_one_line_and_a_trusting_
     serve.ssl_cafile (before: the token travelled in clear, and neither side had a TLS option)."""
     from tests.helpers import assert_one_line_error, run_cli
     from torchtitan_rl import simple_grpo
-    from torchtitan_rl.rollout.server_client import ServerClient
+    from torchtitan_rl.rollout.server_http import ServerClient
 
     cert, key = _self_signed(tmp_path, "server")
     other, _ = _self_signed(tmp_path, "other")
@@ -1047,7 +1049,7 @@ def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_pa
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        from torchtitan_rl.rollout.server_client import ServerClient
+        from torchtitan_rl.rollout.server_http import ServerClient
 
         ServerClient(f"http://127.0.0.1:{cfg.serve.port}").wait_ready(180)
         messages = [{"role": "user", "content": "What is 2 + 3? Reply with the number only."}]

@@ -540,7 +540,7 @@ class RolloutServer:
         return {"current": self.sessions.renew(await self._session(request))}, {}
 
     async def store(self, request):
-        """One operation of a trainer rank on the sync store (rollout/server_client.py: HttpStore)."""
+        """One operation of a trainer rank on the sync store (rollout/server_http.py: HttpStore)."""
         body = await self._json(request, field="sync_store_mb", fields=_STORE_FIELDS)
         if not isinstance(body, dict):
             raise HttpError(400, "body: a JSON object {\"op\", \"key\" or \"keys\", ...}")
@@ -597,7 +597,7 @@ class RolloutServer:
 
 
 _STORE_FIELDS = ("op", "key", "keys", "value", "timeout_s", "amount", "expected", "desired")
-"""What a /control/store request may carry (rollout/server_client.py: HttpStore sends them)."""
+"""What a /control/store request may carry (rollout/server_http.py: HttpStore sends them)."""
 
 
 def _check_content_type(request) -> None:
