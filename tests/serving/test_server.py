@@ -3,7 +3,9 @@
 One server (run_configs/cpu_tiny.toml, real vLLM CPU engine) serves the whole
 module; this process plays the trainer (ServerGenerator: the same client the
 GRPO loop uses), and for the crash tests a trainer subprocess that dies in
-the middle of a sync. The tests run in file order: the first two need a
+the middle of a sync, stalls, lives on through a long "train step" or
+freezes its server (server_trainer_worker.py); the TLS test starts a server
+of its own. The tests run in file order: the first two need a
 server that has not been synced yet. The server gets its token and API key
 from the environment.
 """
