@@ -87,7 +87,7 @@ def train(cfg: JobConfig) -> list[dict]:
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     # parse_args checked the config against torchrun's world; train(cfg) may come from Python.
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device.type)
     check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)

@@ -16,8 +16,10 @@ from torchtitan_rl.config.job_config import REDACTED, SECRETS, JobConfig
 _SECTIONS = ("trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
 
 
-def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
-    """Raise ValueError("field.path: message") for impossible settings."""
+def validate(cfg: JobConfig, *, world_size: int = 1, device: str | None = None) -> None:
+    """Raise ValueError("field.path: message") for impossible settings. ``device``: the device type the run
+    found for job.device 'auto' (a run passes it; parsing, without torch, checks job.device as written)."""
+    device = device or cfg.job.device
     check_finite(cfg)
     for name in _SECTIONS:
         getattr(cfg, name).check(name)
@@ -70,6 +72,9 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.trainer.cpu_offload and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"trainer.cpu_offload: supported with weight_sync.transport 'inplace' only, got "
                          f"'{cfg.weight_sync.transport}'; use trainer.master_dtype bfloat16 to halve the trainer state")
+    if cfg.trainer.cpu_offload and device == "cpu":
+        raise ValueError("trainer.cpu_offload: moves the trainer's state from the GPU into host memory, where a CPU "
+                         "run (job.device cpu) keeps it already; set it false")
     if cfg.generator.sleep == "weights" and not cfg.weight_sync.enable:
         raise ValueError("generator.sleep: 'weights' drops the engine's weights every step and only a sync brings "
                          "them back; weight_sync.enable false syncs once, use 'kv_cache' or 'off'")
