@@ -87,7 +87,8 @@ def snapshot(run: Path, *, cfg, task, shape: ModelShape) -> Path:
 
 
 def _save_task_tokenizer(task, folder: Path) -> None:
-    """The task's own tokenizer as Hugging Face files that AutoTokenizer loads (tokenizer.json + its config)."""
+    """The task's own tokenizer as Hugging Face files that AutoTokenizer loads (tokenizer.json + its config), with
+    the task's chat template."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -97,7 +98,7 @@ def _save_task_tokenizer(task, folder: Path) -> None:
         for name, token in (("bos_token", "<bos>"), ("unk_token", "<unk>")):  # the digits task's, if it has them
             if tokenizer.token_to_id(token) is not None:
                 specials[name] = token
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=task.chat_template, **specials)
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         tokenizer.save_pretrained(folder)
 
