@@ -3,10 +3,11 @@ quota, read-only) as one line naming the path and its free space.
 
 Each writer of a run (checkpoints, metrics, export, --dry-run) catches its
 own failure, cleans up what it had half written, and raises the ValueError
-made here, which says what is still valid. A folder written at the end (a
-run's export) can have its room reserved at the start (``reserve``). The libraries report a full disk
+made here, which says what is still valid. The libraries report a full disk
 in many ways: OSError 28, a DCP CheckpointException holding it, torch's zip
 writer's "unexpected pos", a safetensors "StorageFull"; ``refused`` reads them all.
+A folder written at the end (a run's export) can have its room reserved at the
+start (``reserve``).
 """
 
 import errno
