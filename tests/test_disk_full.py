@@ -1,9 +1,9 @@
 """A full or read-only disk ends a command with one line naming the path and its free space, and loses nothing.
 
 Caused for real: a small tmpfs mounted for the test and filled by a task whose
-reward writes a file until the kernel says ENOSPC (mid-run, at a chosen step),
-and a read-only bind mount (root ignores chmod). Both need root's mount(8):
-the tests skip where the sandbox forbids it.
+reward writes a file until the kernel says ENOSPC (mid-run, at a chosen step)
+or remounts it read-only, and a read-only bind mount (root ignores chmod). All
+need root's mount(8): the tests skip where the sandbox forbids it.
 """
 
 import json
