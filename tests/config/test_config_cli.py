@@ -171,6 +171,26 @@ def test_impossible_combination_names_the_field(tmp_path, args, world_size, expe
     assert not (tmp_path / "config.toml").exists() and not (tmp_path / "dry-run.toml").exists()
 
 
+def test_cpu_offload_on_a_cpu_run_is_refused_naming_the_field(tmp_path):
+    """It moves the trainer's state into host memory, where a CPU run has it: it meant nothing and was accepted
+    silently. job.device cpu is refused at parsing; 'auto' when the run finds no GPU, before anything loads."""
+    import torch
+
+    from torchtitan_rl import simple_grpo
+
+    proc = run_cli("--config", "run_configs/cpu_tiny.toml", "--trainer.cpu_offload", "--job.output_dir",
+                   str(tmp_path), "--dry-run")
+    assert_one_line_error(proc, "trainer.cpu_offload: moves the trainer's state from the GPU into host memory, "
+                                "where a CPU run (job.device cpu) keeps it already; set it false")
+    if torch.cuda.is_available():
+        return
+    cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
+    cfg.job.device, cfg.trainer.cpu_offload, cfg.job.output_dir = "auto", True, str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"^trainer\.cpu_offload: moves the trainer's state"):
+        simple_grpo.train(cfg)
+    assert not (tmp_path / "out").exists()
+
+
 def test_parallel_degrees_that_fit_the_world_size_are_accepted(tmp_path):
     proc = run_cli(
         "--trainer.parallelism.data_parallel_shard_degree", "2",

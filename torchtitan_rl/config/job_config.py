@@ -185,7 +185,7 @@ class TrainerConfig:
     activation_checkpoint: Literal["none", "full"] = "none"
     """full: keep only each block's input and recompute the block in backward (memory for ~1/3 more compute)."""
     cpu_offload: bool = False
-    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace only."""
+    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace, on CUDA only (a CPU run's state is in host memory already)."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trainer's parameters, gradients and AdamW state (torchtitan's training.dtype): float32 masters (16 bytes a parameter) or bfloat16 throughout (8; updates below bf16's resolution of a weight are lost)."""
     max_grad_norm: float = 1.0

@@ -41,6 +41,9 @@ class Task(ABC):
     """Token that ends a completion; generation stops on it."""
     pad_id: int
     """Token used to pad ragged batches; never scored."""
+    chat_template: str | None = None
+    """A task with its own ``tokenizers.Tokenizer``: the Jinja chat template its run's export carries, so that
+    chat front ends (vLLM's ``LLM.chat``) render messages as the task's prompts; none: the export has none."""
 
     @property
     def vocab_size(self) -> int:
