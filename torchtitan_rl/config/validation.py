@@ -93,9 +93,8 @@ def harness_lengths(cfg: JobConfig) -> HarnessLengthsConfig | None:
     timing harness (grpo.task_without_checkpoint without model.hf_checkpoint), else None (lengths as they come,
     up to generator.sampling.max_tokens)."""
     lengths = cfg.grpo.harness_lengths
-    if lengths.distribution == "fixed" or effective_task(cfg) == cfg.grpo.task:
-        return None
-    return lengths
+    harness = cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None
+    return lengths if harness and lengths.distribution != "fixed" else None
 
 
 def _check_harness_lengths(cfg: JobConfig) -> None:
