@@ -11,7 +11,8 @@
 #   SIZE   0.6B | 1.7B: run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal
 #          response lengths, median 1500, p90 5000, cap 8192: grpo.harness_lengths)
 #   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (partial rollouts: t39b's flags, see
-#          /work/wt/NOTES-t39.md; an "on" row refuses to start while the variable is empty)
+#          /work/wt/NOTES-t39.md; an "on" row refuses to start while the variable is empty), and on d rows also
+#          $LONG_TAIL_ON_D_ARGS (in-flight weight updates and streaming, own-rank layout only)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
@@ -57,6 +58,7 @@ launch() {
     echo "$row: LONG_TAIL_ON_ARGS is empty: set it to the partial-rollout flags (/work/wt/NOTES-t39.md)"; return 2
   fi
   [ "$mode" = on ] && args+=($ON_ARGS)
+  [ "$mode" = on ] && [ "$layout" = d ] && args+=(${LONG_TAIL_ON_D_ARGS:-})
   local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row")
   case $layout in
     a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" \
@@ -99,7 +101,8 @@ report() {  # ROW RC GROUP
   cp "$work/$row/latest/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window 1 "$STEPS" \
-    --extra "on_args=$ON_ARGS" "steps=$STEPS" "gpu=$gpu_name" | tee -a "$OUT/long_tail.jsonl"
+    --extra "on_args=$ON_ARGS" "on_d_args=${LONG_TAIL_ON_D_ARGS:-}" "steps=$STEPS" "gpu=$gpu_name" \
+    | tee -a "$OUT/long_tail.jsonl"
 }
 
 group_no=0

@@ -8,7 +8,7 @@ Reads, in RESULTS:
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
 Each row's numbers are over its steps from WARMUP on (step 0 compiles the trainer and its first wave has
-no unfinished samples to carry): throughput = completion tokens / step wall, summed over those steps; the
+no unfinished samples to carry; a row cut by the call's time before step 1 shows step 0, marked 0*): throughput = completion tokens / step wall, summed over those steps; the
 tail share, batch fill and idle shares are step means (definitions: docs/design.md, "The long tail").
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
 d). Missing rows are listed as such, so a partial run still gives its part of the table.
@@ -47,14 +47,15 @@ def evals(path: Path) -> list[dict]:
 
 
 def row_numbers(records: list[dict]) -> dict | None:
-    """A row's numbers over its steps from WARMUP on; None if it has none."""
-    kept = [r for r in records if r["step"] >= WARMUP] or []
+    """A row's numbers over its steps from WARMUP on, or its step 0 alone (marked 0*: compile included) when the
+    call's time ended before step 1; None if it logged no step."""
+    kept = [r for r in records if r["step"] >= WARMUP] or records[:1]
     if not kept:
         return None
     wall = sum(r["step_s"] for r in kept)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in kept)  # noqa: E731
     return {
-        "steps": len(kept), "step_s": wall / len(kept), "generate_s": mean("generate_s"), "train_s": mean("train_s"),
+        "steps": len(kept) if kept[0]["step"] >= WARMUP else "0*", "step_s": wall / len(kept), "generate_s": mean("generate_s"), "train_s": mean("train_s"),
         "tokens_per_s": sum(r["completion_tokens"] for r in kept) / wall,
         "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
         "preemptions": mean("gen_preemptions"),
