@@ -47,7 +47,8 @@ def batches_in_flight(engine) -> bool:
 def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
     """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
     {request id: preemptions so far} of the waiting ones that were preempted). A preempted request goes back
-    to the front of the waiting queue (``prepend_request``) and stays there at least until the next step, so
+    to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays there at
+    least until the next step, so
     reading after every step sees every preemption, and the scan stops at the first never-preempted request
     (EngineCore.scheduler, Scheduler.running/.waiting, Request.num_preemptions: vLLM 0.26 and 0.32)."""
     scheduler = engine.engine_core.engine_core.scheduler

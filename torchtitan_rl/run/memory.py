@@ -71,16 +71,16 @@ class MemoryEstimate:
     device_total: int
     role: str
     """colocated (trainer and engine on each GPU), trainer or generator (weight_sync.transport nccl)."""
-    kv_token_bytes: int = 0
+    kv_token_bytes: int
     """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes)."""
-    max_model_len: int = 0
-    max_num_seqs: int = 0
+    max_model_len: int
+    max_num_seqs: int
 
     @property
     def kv_tokens(self) -> int:
         """Tokens the KV-cache budget could hold (an upper bound: vLLM also keeps activations and CUDA graphs in
         its budget; the engine's own count is printed once it is built)."""
-        return (self.engine_budget - self.engine_weights) // self.kv_token_bytes if self.kv_token_bytes else 0
+        return (self.engine_budget - self.engine_weights) // self.kv_token_bytes
 
     @property
     def trainer_host(self) -> int:
