@@ -61,9 +61,10 @@ def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
 
 
 def kv_cache_tokens(engine) -> int:
-    """Tokens the KV cache of an in-process ``LLMEngine`` holds (vLLM logs it as "KV cache size")."""
-    cache = engine.vllm_config.cache_config
-    return cache.num_gpu_blocks * cache.block_size
+    """Tokens the KV cache of an in-process ``LLMEngine`` holds (vLLM logs it as "KV cache size"): its scheduler's
+    block pool (read on vLLM 0.26 by scripts/gpu/gen_drift.py, and 0.32) times the block size."""
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks * engine.vllm_config.cache_config.block_size
 
 
 def compilable(model_cls: type, *, enable_if) -> type:
