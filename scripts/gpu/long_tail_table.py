@@ -9,7 +9,9 @@ Reads, in RESULTS:
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
 Each row's numbers are over its steps from WARMUP on (step 0 compiles the trainer and its first wave has
 no unfinished samples to carry; a row cut by the call's time before step 1 shows step 0, marked 0*): throughput = completion tokens / step wall, summed over those steps; the
-tail share, batch fill and idle shares are step means (definitions: docs/design.md, "The long tail").
+tail share and batch fill are step means, the idle shares idle seconds over wall seconds (definitions:
+docs/design.md, "The long tail"; generator idle counts the engine's wait before each step's batch, so after a
+longer step it can pass 100%).
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
 d). Missing rows are listed as such, so a partial run still gives its part of the table.
 """
