@@ -24,11 +24,11 @@
 # Rows joined by '+' run at the same time on disjoint GPUs (handed out in order from 0; a/trainer/math rows take
 # one GPU, b and d rows two); groups separated by spaces run one after another.
 # LONG_TAIL_ARGS adds overrides to every loop row (e.g. "--job.device cpu --model.flavor tiny ..." for a CPU
-# rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S (default 540, a device call
-# is at most 600 s) and keeps the steps it logged; the table counts steps from 1 on (step 0 compiles).
-# Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back at most 8 files):
-# long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl (one
-# scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
+# rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S
+# (default 540: a device call is at most 600 s) and keeps the steps it logged; the table counts steps from 1 on
+# (step 0 compiles). Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
+# long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
+# (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
 # log; and $OUT/benchmarks.md with the section scripts/gpu/long_tail_table.py makes from this call's results.
 # Here: `tar xzf <files_at>/long_tail.tgz -C scripts/gpu/results` after each call, then
 # `python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu NAME --write` makes the table of every call's rows.
@@ -67,8 +67,8 @@ launch() {
   local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
                 ${LONG_TAIL_ARGS:-})
   case $layout in
-    a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" \
-         "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
+    a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+         --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     b|d)
       [ "$layout" = d ] && args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.85
                                   --generator.sleep off --grpo.max_staleness 1 --grpo.importance_correction truncate)

@@ -8,7 +8,8 @@ Reads, in RESULTS:
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
 Each row's numbers are over its steps from WARMUP on (step 0 compiles the trainer and its first wave has
-no unfinished samples to carry; a row cut by the call's time before step 1 shows step 0, marked 0*): throughput = completion tokens / step wall, summed over those steps; the
+no unfinished samples to carry; a row cut by the call's time before step 1 shows step 0, marked 0*):
+throughput = completion tokens / step wall, summed over those steps; the
 tail share and batch fill are step means, the idle shares idle seconds over wall seconds (definitions:
 docs/design.md, "The long tail"; generator idle counts the engine's wait before each step's batch, so after a
 longer step it can pass 100%).
@@ -57,7 +58,8 @@ def row_numbers(records: list[dict]) -> dict | None:
     wall = sum(r["step_s"] for r in kept)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in kept)  # noqa: E731
     return {
-        "steps": len(kept) if kept[0]["step"] >= WARMUP else "0*", "step_s": wall / len(kept), "generate_s": mean("generate_s"), "train_s": mean("train_s"),
+        "steps": len(kept) if kept[0]["step"] >= WARMUP else "0*", "step_s": wall / len(kept),
+        "generate_s": mean("generate_s"), "train_s": mean("train_s"),
         "tokens_per_s": sum(r["completion_tokens"] for r in kept) / wall,
         "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
         "preemptions": mean("gen_preemptions"),
