@@ -51,6 +51,15 @@ class StepMetrics:
         return flat
 
 
+TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill"})
+"""Shares of a generate's wall time (engine/trace.py): timings, though their names do not end in _s."""
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metrics.jsonl key is a timing, which two runs of one seed need not share (all else they do)."""
+    return key.endswith("_s") or key in TIMING_SHARES
+
+
 class MetricsLogger:
     """Writes metrics.jsonl and TensorBoard events under the output folder (rank 0 only).
 
