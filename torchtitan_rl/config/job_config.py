@@ -267,6 +267,25 @@ class GeneratorConfig:
 
 
 @dataclass(kw_only=True)
+class PartialRolloutConfig:
+    """Partial rollouts (docs/design.md, "Partial rollouts and in-flight updates"): a generate stops before its
+    slowest samples, which continue in a later step's generate under newer weights."""
+
+    enable: bool = False
+    """A generate stops once grpo.prompts_per_step of its groups are finished; the unfinished samples are kept (tokens and generator logprobs so far) and continue in the next generate, resubmitted as prompt + completion so far under the weights of then; every token records the weight version it was sampled with. Single-turn tasks; not with dynamic sampling or the rollout server."""
+    over_sample: int = 0
+    """Groups in flight beyond grpo.prompts_per_step (slime's over-sampling): each generate holds the carried groups plus new ones up to prompts_per_step + over_sample, and stops when prompts_per_step are finished (the oldest finished ones train)."""
+    token_budget: int = 0
+    """Generated tokens a generate spends before it stops, but never before the step's groups are finished; 0: stop as soon as they are."""
+    max_token_age: int = 1
+    """Most weight versions a trained token may be behind the step that trains it (AReaL's max_head_offpolicyness); a carried group that a later step would train past it is run to its end in this step's generate instead of being cut again. At least 2 x grpo.max_staleness + 1: the age of a carried token at its earliest next step."""
+
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "over_sample", "token_budget")
+        positive(self, path, "max_token_age")
+
+
+@dataclass(kw_only=True)
 class GRPOConfig:
     task: str = "digits"
     """Task: digits[:mode] (own 16-token tokenizer), math, calculator (multi-turn, a tool), dataset, or 'package.module:factory' (README)."""
@@ -310,6 +329,8 @@ class GRPOConfig:
     """soft_penalty: the penalty at max_tokens (DAPO: 1)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (the policy's token entropy, aggregated as the loss) subtracted from the loss; 0: entropy is only measured."""
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    """Partial rollouts: stop a generate before its slowest samples and continue them later (off by default)."""
 
     def check(self, path: str) -> None:
         positive(self, path, "prompts_per_step", "epochs", "mini_batches")
@@ -321,6 +342,7 @@ class GRPOConfig:
         in_range(self, path, "clip_eps_high", 0, 1, "[0, 1)")
         if self.dynamic_sampling:
             positive(self, path, "dynamic_sampling_max_rounds")
+        self.partial.check(f"{path}.partial")
 
 
 @dataclass(kw_only=True)

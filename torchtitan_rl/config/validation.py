@@ -49,6 +49,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
 
     _check_task(cfg)
     _check_eval(cfg)
+    _check_partial(cfg)
 
     replicas = cfg.generator.parallelism.data_parallel_replicate_degree
     if cfg.weight_sync.transport == "nccl":
@@ -129,6 +130,25 @@ def _check_eval(cfg: JobConfig) -> None:
         if s.max_tokens >= cfg.generator.max_model_len:
             raise ValueError(f"{where}.max_tokens: {s.max_tokens} leaves no room for a prompt in "
                              f"generator.max_model_len {cfg.generator.max_model_len}")
+
+
+def _check_partial(cfg: JobConfig) -> None:
+    """grpo.partial against the sections it meets (docs/design.md, "Partial rollouts and in-flight updates")."""
+    partial, S = cfg.grpo.partial, cfg.grpo.max_staleness
+    if not partial.enable:
+        return
+    if partial.max_token_age < 2 * S + 1:
+        raise ValueError(f"grpo.partial.max_token_age: {partial.max_token_age} is below 2 x grpo.max_staleness + 1 "
+                         f"= {2 * S + 1}, the age of a carried token at the first step that can continue it")
+    if cfg.grpo.dynamic_sampling:
+        raise ValueError("grpo.dynamic_sampling: not with grpo.partial.enable (its refills are whole generates of "
+                         "their own); over-sample with grpo.partial.over_sample instead")
+    if cfg.weight_sync.transport == "server":
+        raise ValueError("grpo.partial.enable: the rollout server (weight_sync.transport 'server') answers whole "
+                         "completions only; use 'inplace' or 'nccl'")
+    if not cfg.weight_sync.enable:
+        raise ValueError("grpo.partial.enable: its bound counts weight versions, which weight_sync.enable false "
+                         "never advances; turn one of them off")
 
 
 def _check_rows_per_rank(cfg: JobConfig, *, dp: int) -> None:

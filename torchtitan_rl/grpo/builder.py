@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.grpo.advantages import group_advantages
-from torchtitan_rl.grpo.batch import TrainBatch, logprob_mismatch, pack_rollouts
+from torchtitan_rl.grpo.batch import TrainBatch, logprob_mismatch, pack_rollouts, pack_versions
 from torchtitan_rl.grpo.groups import Groups, fill_with_signal, rollout_metrics, score_groups
 from torchtitan_rl.grpo.loss import importance_weights
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
@@ -65,8 +65,9 @@ class BatchBuilder:
         )
 
     def build(self, prompts: list[Prompt], rollouts, *,
-              refill: Callable[[int, int], tuple[list[Prompt], object]]) -> StepBatch:
-        """``refill(round, n)``: (prompts, rollouts) of dynamic sampling's extra draw ``round``, n prompts."""
+              refill: Callable[[int, int], tuple[list[Prompt], object]], version: int = 0) -> StepBatch:
+        """``refill(round, n)``: (prompts, rollouts) of dynamic sampling's extra draw ``round``, n prompts;
+        ``version``: the weight version pi_old is (the step), from which tokens' versions are aged."""
         cfg, trainer = self.cfg, self.trainer
         P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
         temperature = cfg.generator.sampling.temperature
@@ -102,10 +103,16 @@ class BatchBuilder:
         sampling = cfg.generator.sampling
         if sampling.top_p < 1 or sampling.top_k != -1:  # the generator's logprobs are the truncated distribution's
             mismatch = dict.fromkeys(mismatch, float("nan"))
+        # Partial rollouts and in-flight updates: a sequence's tokens may come from several versions; mu is each
+        # token's own sampler (its generator logprob), so the correction below is per token whatever the mix.
+        ages_BL = None
+        if batch.versions is not None:
+            ages_BL = version - pack_versions(batch.prompt_ids, batch.versions, length=tokens_BL.shape[1])[rows]
         # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
         is_weights_BL, is_stats = importance_weights(
             trainer_lp_BL, gen_lp_BL, mask_BL, mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
             level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
+            ages_BT=ages_BL, max_age=max(cfg.grpo.max_staleness, cfg.grpo.partial.max_token_age * cfg.grpo.partial.enable),
         )
         is_stats = self._reduce(is_stats, mask_BL)
         ref_lp_BL = None

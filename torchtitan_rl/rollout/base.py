@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from torchtitan_rl.config import SamplingConfig
 from torchtitan_rl.engine.rollouts import Done, Rollouts
 
-__all__ = ["Done", "Later", "Pending", "RolloutGenerator", "Rollouts", "prompt_blocks"]
+__all__ = ["Done", "Later", "Pending", "RolloutGenerator", "Rollouts", "block_request", "prompt_blocks"]
 
 if TYPE_CHECKING:  # annotations only: the interface module stays free of torch
     import torch
@@ -35,6 +35,15 @@ def prompt_blocks(prompts: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         bounds.append(bounds[-1] + size + (i < extra))
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def block_request(prompts: list[list[int]], generate_kwargs: dict, a: int, b: int) -> tuple[list[list[int]], dict]:
+    """Prompts [a, b) of a request and Engine.generate's arguments for them alone: ``first_prompt`` a, and a
+    partial-rollouts request (``partial``) cut to its block."""
+    kwargs = {**generate_kwargs, "first_prompt": a}
+    if kwargs.get("partial") is not None:
+        kwargs["partial"] = kwargs["partial"].block(a, b, n=kwargs["n"])
+    return prompts[a:b], kwargs
 
 
 class Pending(Protocol):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.distributed.world import World
-from torchtitan_rl.rollout.base import Later, Rollouts, prompt_blocks
+from torchtitan_rl.rollout.base import Later, Rollouts, block_request, prompt_blocks
 from torchtitan_rl.serving.own_rank import Mailbox
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
 from torchtitan_rl.weight_sync.store import who
@@ -65,7 +65,8 @@ class RemoteGenerator:
         contiguous block of ``prompts``, and return."""
         if self.world.sender:
             for mailbox, (a, b) in zip(self.mailboxes, prompt_blocks(len(prompts), self.world.replicas)):
-                mailbox.put("msg", {"op": "generate", "prompts": prompts[a:b], "first_prompt": a, **generate_kwargs})
+                block, kwargs = block_request(prompts, generate_kwargs, a, b)
+                mailbox.put("msg", {"op": "generate", "prompts": block, **kwargs})
         number = self.requests
         self.requests += 1
         return Later(lambda: self._take(number))
