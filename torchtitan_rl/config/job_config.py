@@ -267,6 +267,24 @@ class GeneratorConfig:
 
 
 @dataclass(kw_only=True)
+class HarnessLengthsConfig:
+    """Response lengths of the timing harness: seeded random weights (grpo.task_without_checkpoint, no
+    model.hf_checkpoint) almost never emit eos, so the harness sets each sample's length itself."""
+
+    distribution: Literal["fixed", "lognormal"] = "fixed"
+    """fixed: every sample runs to generator.sampling.max_tokens; lognormal: each sample's length is drawn from a log-normal with this median and p90, capped at generator.sampling.max_tokens, seeded by the request, the prompt's index and the sample's (the same samples in every layout), and the sample runs to exactly that length, eos ignored (engine/lengths.py; the default's sources: docs/design.md, "The long tail"). Ignored with model.hf_checkpoint: real weights stop where they stop."""
+    median: int = 1500
+    """lognormal: median response length in tokens."""
+    p90: int = 5000
+    """lognormal: 90th-percentile response length in tokens (> median); sets the spread."""
+
+    def check(self, path: str) -> None:
+        positive(self, path, "median", "p90")
+        if self.distribution == "lognormal" and self.p90 <= self.median:
+            raise ValueError(f"{path}.p90: must exceed {path}.median ({self.median}), got {self.p90}")
+
+
+@dataclass(kw_only=True)
 class PartialRolloutConfig:
     """Partial rollouts (docs/design.md, "Partial rollouts and in-flight updates"): a generate stops before its
     slowest samples, which continue in a later step's generate under newer weights."""
@@ -291,6 +309,8 @@ class GRPOConfig:
     """Task: digits[:mode] (own 16-token tokenizer), math, calculator (multi-turn, a tool), dataset, or 'package.module:factory' (README)."""
     task_without_checkpoint: str | None = None
     """Task run instead of grpo.task when model.hf_checkpoint is unset: random weights, a timing harness that learns nothing (e.g. digits, whose ids fit any vocabulary)."""
+    harness_lengths: HarnessLengthsConfig = field(default_factory=HarnessLengthsConfig)
+    """The timing harness's response lengths (grpo.task_without_checkpoint without model.hf_checkpoint): fixed, or drawn from a long-tailed distribution like a reasoning run's."""
     prompts_per_step: int = 16
     """Distinct prompts per step (global)."""
     group_size: int = 8
@@ -335,6 +355,7 @@ class GRPOConfig:
     def check(self, path: str) -> None:
         positive(self, path, "prompts_per_step", "epochs", "mini_batches")
         at_least(self, path, 2, "group_size")
+        self.harness_lengths.check(f"{path}.harness_lengths")
         at_least(self, path, 0, "kl_coef", "max_staleness", "overlong_penalty", "entropy_coef")
         if not self.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
             raise ValueError(f"{path}.importance_cap: must be > 1, got {self.importance_cap}")

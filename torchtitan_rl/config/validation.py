@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_rl.config.checks import check_finite, get, leaf_types, positive
-from torchtitan_rl.config.job_config import REDACTED, SECRETS, JobConfig
+from torchtitan_rl.config.job_config import REDACTED, SECRETS, HarnessLengthsConfig, JobConfig
 
 _SECTIONS = ("trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
 
@@ -48,6 +48,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
         raise ValueError("generator.load_format: 'auto' needs model.hf_checkpoint to be set")
 
     _check_task(cfg)
+    _check_harness_lengths(cfg)
     _check_eval(cfg)
     _check_partial(cfg)
 
@@ -86,6 +87,34 @@ def effective_task(cfg: JobConfig) -> str:
     if cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None:
         return cfg.grpo.task_without_checkpoint
     return cfg.grpo.task
+
+
+def harness_lengths(cfg: JobConfig) -> HarnessLengthsConfig | None:
+    """The drawn response lengths this run's generates take (engine/lengths.py): grpo.harness_lengths on the
+    timing harness (grpo.task_without_checkpoint without model.hf_checkpoint), else None (lengths as they come,
+    up to generator.sampling.max_tokens)."""
+    lengths = cfg.grpo.harness_lengths
+    harness = cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None
+    return lengths if harness and lengths.distribution != "fixed" else None
+
+
+def _check_harness_lengths(cfg: JobConfig) -> None:
+    """grpo.harness_lengths needs the timing harness and a layout whose generate draws them (Engine.generate)."""
+    if cfg.grpo.harness_lengths.distribution == "fixed":
+        return
+    if cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is None:
+        raise ValueError(
+            f"grpo.harness_lengths: '{cfg.grpo.harness_lengths.distribution}' sets the timing harness's lengths "
+            "(grpo.task_without_checkpoint without model.hf_checkpoint); set grpo.task_without_checkpoint, or "
+            "distribution 'fixed'")
+    if harness_lengths(cfg) is None:
+        return  # real weights: ignored, as grpo.task_without_checkpoint is
+    if cfg.weight_sync.transport == "server":
+        raise ValueError("grpo.harness_lengths: drawn lengths are set by the in-process engine "
+                         "(weight_sync.transport inplace or nccl), not through the rollout server's HTTP API")
+    if effective_task(cfg).partition(":")[0] == "calculator":
+        raise ValueError("grpo.harness_lengths: drawn lengths are for a single-turn harness task; "
+                         "grpo.task_without_checkpoint 'calculator' plays multi-turn episodes")
 
 
 def tokenizer_dir(cfg: JobConfig) -> str | None:

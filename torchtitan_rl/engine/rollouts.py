@@ -6,6 +6,8 @@ downward (rollout/base.py re-exports it with the loop's interface).
 
 from dataclasses import dataclass
 
+from torchtitan_rl.engine.trace import EngineTrace
+
 
 @dataclass
 class Rollouts:
@@ -21,6 +23,9 @@ class Rollouts:
     """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
     loss_mask: list[list[int]] | None = None
     """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
+    trace: EngineTrace | None = None
+    """Where the engine's time went (engine/trace.py: the tail, the batch fill, preemptions); None where no
+    Engine.generate made the batch (a rollout server's, a multi-turn episode's)."""
     versions: list[list[int]] | None = None
     """Weight version each completion token was sampled with (partial rollouts, in-flight updates: a sample may
     span several); None: every token's is ``weight_version``."""
@@ -57,7 +62,8 @@ class Rollouts:
 
         All parts come from one weight version: every replica applies the same
         syncs between the same requests. ``generate_s`` is the slowest part's
-        (the batch is ready when it is); ``idle_s`` the mean over the parts.
+        (the batch is ready when it is); ``idle_s`` the mean over the parts;
+        the traces are summed (EngineTrace.merge).
         """
         assert len({p.weight_version for p in parts}) == 1, [p.weight_version for p in parts]
         masks = None
@@ -76,6 +82,7 @@ class Rollouts:
             generate_s=max(p.generate_s for p in parts),
             idle_s=sum(p.idle_s for p in parts) / len(parts),
             loss_mask=masks,
+            trace=EngineTrace.merge([p.trace for p in parts]) if all(p.trace for p in parts) else None,
             versions=versions,
             finished=finished,
             generated=None if all(p.generated is None for p in parts) else sum(p.generated_tokens() for p in parts),

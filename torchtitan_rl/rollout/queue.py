@@ -11,6 +11,7 @@ import random
 from collections import deque
 
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.config.validation import harness_lengths
 from torchtitan_rl.rollout.base import Done, Pending, RolloutGenerator, Rollouts
 from torchtitan_rl.rollout.partial import Pool, UnfinishedBuffer
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
@@ -29,6 +30,9 @@ class RolloutQueue:
         self.inflight: deque[tuple[int, list[Prompt] | Pool, Pending]] = deque()
         self.requested = 0
         """The next step to request rollouts for."""
+        lengths = harness_lengths(cfg)
+        self.lengths = {} if lengths is None else {"lengths": lengths}
+        """The timing harness's drawn lengths (grpo.harness_lengths), passed with every request where set."""
         self.partial = None
         """grpo.partial: the groups carried between requests."""
         if cfg.grpo.partial.enable:
@@ -74,7 +78,7 @@ class RolloutQueue:
         cfg = self.cfg
         return self.task.submit(  # a multi-turn task plays whole episodes
             self.generator, prompts, n=cfg.grpo.group_size, seed=cfg.job.seed * 1_000_003 + seed,
-            sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
+            sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len, **self.lengths,
         )
 
     def _submit_partial(self, j: int) -> tuple[Pool, Pending]:
@@ -86,7 +90,7 @@ class RolloutQueue:
         # One seed for the run: a sample's seed is its group's number and its index (engine.sample_seed).
         pool, ask = self.partial.request(j, new, seed=cfg.job.seed * 1_000_003)
         return pool, self.generator.submit(ask.pop("prompts"), stop_token_ids=[self.task.eos_id],
-                                           sampling=cfg.generator.sampling, **ask)
+                                           sampling=cfg.generator.sampling, **ask, **self.lengths)
 
     def state_dict(self) -> dict:
         """The prompt stream and the rollouts requested for later steps (waited for: the weights they
