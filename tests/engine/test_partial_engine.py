@@ -10,17 +10,20 @@ import torch
 
 from tests.helpers import NOISE_FACTOR, PROMPTS, SEPARATION, make_generator, native_state, reference_logprobs, \
     trainer_model
-from torchtitan_rl.config import HarnessLengthsConfig, WeightSyncConfig
-from torchtitan_rl.engine.engine import continue_seed, sample_seed
+from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, ModelConfig, WeightSyncConfig
+from torchtitan_rl.engine.engine import Engine, continue_seed, sample_seed
 from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.rollouts import PartialRequest, Rollouts
 from torchtitan_rl.grpo.batch import pack_rollouts, pack_versions
 from torchtitan_rl.grpo.loss import importance_weights
+from torchtitan_rl.models.families import resolve_shape
+from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 MAX_TOKENS = 8
-LONG_PROMPTS = [[1] + [(7 * i + 3 * p) % 13 + 2 for i in range(39)] for p in range(2)]
-"""Two full KV blocks of prompt each (vLLM caches whole blocks, 16 tokens on CPU)."""
+LONG = 136
+LONG_PROMPTS = [[1] + [(7 * i + 3 * p) % 13 + 2 for i in range(LONG - 1)] for p in range(2)]
+"""Prompts longer than one KV block (vLLM caches whole blocks: 128 tokens on CPU)."""
 
 
 @pytest.fixture(scope="module")
@@ -131,16 +134,22 @@ def test_a_request_whose_groups_are_already_done_samples_nothing(engine):
 
 
 @pytest.fixture(scope="module")
-def inflight(tmp_path_factory, models):
-    gen = make_generator(tmp_path_factory.mktemp("inflight"), inflight_updates=True, async_scheduling=False)
-    sync = WeightSync(WeightSyncConfig(), reference=native_state(models[0]), generator=gen)
-    sync.sync(native_state(models[0]), version=0)
+def inflight(tmp_path_factory):
+    """An engine with in-flight updates (async scheduling off) whose contexts hold a whole KV block of prompt
+    (vLLM's CPU block is 128 tokens, and only whole blocks are cached), serving version 0; two models."""
+    shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=LONG + 2 * MAX_TOKENS)
+    gen = Engine(GeneratorConfig(inflight_updates=True, async_scheduling=False, max_model_len=LONG + MAX_TOKENS),
+                 model_config=ModelConfig(), shape=shape, seed=0, device="cpu",
+                 workdir=tmp_path_factory.mktemp("inflight"))
+    a, b = build_titan_model(shape, seed=1), build_titan_model(shape, seed=2)
+    sync = WeightSync(WeightSyncConfig(), reference=native_state(a), generator=gen)
+    sync.sync(native_state(a), version=0)
     gen.test_sync = sync
-    return gen
+    return gen, a, b
 
 
-def test_an_inflight_sync_lands_between_two_iterations_and_later_tokens_carry_the_new_version(inflight, models):
-    a, b = models
+def test_an_inflight_sync_lands_between_two_iterations_and_later_tokens_carry_the_new_version(inflight):
+    inflight, a, b = inflight
     steps = []
 
     def between_steps():
