@@ -174,3 +174,15 @@ def test_an_inflight_sync_lands_between_two_iterations_and_later_tokens_carry_th
     for prompt, completion, lps in zip(again.prompt_ids, again.completion_ids, again.logprobs):
         err_b, _, tol_b = _segment_errors(b, prompt, completion, lps)
         assert err_b.mean() <= tol_b
+
+
+def test_each_group_is_reported_once_as_soon_as_its_samples_finish(engine):
+    lengths = HarnessLengthsConfig(distribution="lognormal", median=3, p90=6)
+    seen = []
+    out = engine.generate(PROMPTS, n=2, seed=3, lengths=lengths, on_group=lambda g, rows: seen.append((g, rows)))
+    assert sorted(g for g, _ in seen) == [0, 1, 2]
+    for g, rows in seen:  # what the generate returns for them, already
+        assert rows.completion_ids == out.completion_ids[2 * g:2 * g + 2] and rows.logprobs == out.logprobs[2 * g:2 * g + 2]
+    # In the order the groups finish: by their longest sample.
+    longest = [max(len(c) for c in rows.completion_ids) for _, rows in seen]
+    assert longest == sorted(longest) and len(set(longest)) > 1

@@ -7,6 +7,7 @@ batch of rollouts records the weight version it was sampled with.
 """
 
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -332,6 +333,7 @@ class Engine:
         lengths: HarnessLengthsConfig | None = None,
         partial: PartialRequest | None = None,
         between_steps: Callable[[], None] | None = None,
+        on_group: Callable[[int, Rollouts], None] | None = None,
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order.
 
@@ -347,6 +349,8 @@ class Engine:
         cut with the others (``Rollouts.finished``). ``between_steps``: called
         after every engine step, when no iteration is in flight
         (generator.inflight_updates: an own-rank replica applies a sync there).
+        ``on_group(i, rollouts)``: called once prompt i's ``n`` samples have all
+        finished, with them (generator.stream_groups: a replica posts them).
         """
         version = self._wait_for_weights()
         self.wake()  # level 1 kept the weights: a generate before the next sync (an evaluation) wakes the engine
@@ -394,6 +398,15 @@ class Engine:
         changes = {rid: [(0, version)] for rid in group_of}
         self._running = dict(changes)  # what finish_sync updates while a request runs
         finished, cut = {}, {}
+        left = [0] * len(prompts)  # each group's samples still running
+        for g in group_of.values():
+            left[g] += 1
+        rows = functools.partial(self._rows, requests, version=version, so_far=so_far, finished=finished, cut=cut,
+                                 changes=changes, partial=partial is not None)
+        if on_group is not None:  # groups that finished in earlier requests
+            for g in range(len(prompts)):
+                if not left[g] and all(rid is None for rid, _ in requests[g * n:(g + 1) * n]):
+                    on_group(g, rows(g * n, (g + 1) * n))
         trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs)
         try:
             with collector.paused():  # vLLM's per-token objects (docs/design.md)
@@ -404,12 +417,16 @@ class Engine:
                         if out.finished:
                             finished[out.request_id] = out.outputs[0]
                             self._running.pop(out.request_id, None)
+                            g = group_of[out.request_id]
+                            left[g] -= 1
+                            if not left[g] and on_group is not None:
+                                on_group(g, rows(g * n, (g + 1) * n))
                     running, waiting, preempted = compat.scheduler_load(self.engine)
                     trace.iteration(running=running, waiting=waiting, preempted=preempted)
                     if partial is not None and self._running and partial_stop(
                             partial, unfinished={group_of[rid] for rid in self._running},
                             generated=lambda: _generated(self.engine, finished)):
-                        cut = compat.unfinished_outputs(self.engine)  # LLMEngine reports nothing it aborts
+                        cut.update(compat.unfinished_outputs(self.engine))  # LLMEngine reports nothing it aborts
                         compat.abort_requests(self.engine, sorted(self._running))
                         self._running = {}
                     if between_steps is not None:
@@ -421,11 +438,20 @@ class Engine:
             idle_s, self._idle_s = self._idle_s, 0.0
             self._idle()
 
+        out = rows(0, len(requests))
+        out.generate_s, out.idle_s, out.trace = time.perf_counter() - started, idle_s, trace.finish()
+        return out
+
+    def _rows(self, requests: list, a: int, b: int, *, version: int, so_far: Rollouts | None, finished: dict,
+              cut: dict, changes: dict, partial: bool) -> Rollouts:
+        """Samples [a, b) of a generate's ``requests`` ((request id or None, prompt) each): their tokens so far
+        (``so_far``), then the ones sampled now (``finished`` outputs, or ``cut``'s), with their versions."""
         prompt_ids, completions, logprobs = [], [], []
-        versions = [] if partial is not None or self.config.inflight_updates else None
-        for b, (rid, prompt) in enumerate(requests):
+        versions = [] if partial or self.config.inflight_updates else None
+        for k in range(a, b):
+            rid, prompt = requests[k]
             prompt_ids.append(list(prompt))
-            ids, lps = ([], []) if so_far is None else (list(so_far.completion_ids[b]), list(so_far.logprobs[b]))
+            ids, lps = ([], []) if so_far is None else (list(so_far.completion_ids[k]), list(so_far.logprobs[k]))
             new = []
             if rid in finished:
                 c = finished[rid]
@@ -439,12 +465,9 @@ class Engine:
             completions.append(ids)
             logprobs.append(lps)
             if versions is not None:
-                versions.append(([] if so_far is None else list(so_far.versions[b])) + _expand(changes.get(rid), len(new)))
-        ended = None
-        if partial is not None:
-            ended = [rid in finished or (rid is None) for rid, _ in requests]
-        return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s,
-                        trace=trace.finish(), versions=versions, finished=ended)
+                versions.append(([] if so_far is None else list(so_far.versions[k])) + _expand(changes.get(rid), len(new)))
+        ended = [rid in finished or rid is None for rid, _ in requests[a:b]] if partial else None
+        return Rollouts(prompt_ids, completions, logprobs, version, versions=versions, finished=ended)
 
     # The loop's interface (rollout/base.py), so that a one-process caller can use an Engine directly.
     rollouts = generate

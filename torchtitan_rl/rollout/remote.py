@@ -40,6 +40,8 @@ class RemoteGenerator:
         self.sender = NcclSender(
             cfg.weight_sync, reference=reference, world=world, timeout_s=cfg.weight_sync.peer_timeout_s
         )
+        self.inflight = cfg.generator.inflight_updates
+        """A sync lands in the generate in progress (serving/own_rank.py): it waits for no reply."""
         self.requests = 0
         """Generate requests posted (each to every replica); the replicas answer them in this order."""
         self.answered = 0
@@ -49,9 +51,11 @@ class RemoteGenerator:
 
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
         """Send ``state`` to every replica, which serves ``version`` to the requests submitted after this;
-        seconds the transfer took, once the requests submitted before have been answered."""
+        seconds the transfer took, once the requests submitted before have been answered (with
+        generator.inflight_updates at once: the running requests' next tokens are sampled with ``version``)."""
         if self.world.sender:
-            self._collect(self.requests - 1)  # the replicas reach the sync only after them
+            if not self.inflight:
+                self._collect(self.requests - 1)  # the replicas reach the sync only after them
             for parts in self.replies.values():
                 failed = [(r, part["error"]) for r, part in enumerate(parts) if "error" in part]
                 if failed:  # that replica has stopped: say why rather than wait for it

@@ -14,6 +14,11 @@ drives; each replica answers its own mailbox in order:
                 first_prompt, n, seed, ...}
     "stop"     (also after a trainer error)   closes the engine, returns
 
+With generator.inflight_updates a "sync" that arrives while a "generate" runs
+is received between two of its engine steps (``_sync_in_flight``): the
+running samples go on with the new weights, each token recording its version
+(docs/design.md, "Partial rollouts and in-flight updates").
+
 A request's prompts are split over the replicas in contiguous blocks
 (``prompt_blocks``); each replica seeds its samples by their global prompt
 index (``first_prompt``), and the blocks' rollouts are concatenated in
@@ -34,6 +39,7 @@ Every wait that only a crash on the other side could make endless gives up
 after ``weight_sync.peer_timeout_s`` with a RuntimeError.
 """
 
+import functools
 import pickle
 import time
 from pathlib import Path
@@ -70,6 +76,12 @@ class Mailbox:
     def waiting(self, box: str) -> bool:
         """Whether the next ``box`` entry has arrived."""
         return self.store.check([f"{box}/{self.read[box]}"])
+
+    def peek(self, box: str):
+        """The next ``box`` entry if it has arrived (left for ``get``), else None; does not wait."""
+        if not self.waiting(box):
+            return None
+        return pickle.loads(self.store.get(f"{box}/{self.read[box]}"))
 
     def get(self, box: str, what: str):
         key = f"{box}/{self.read[box]}"
@@ -110,14 +122,25 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
                 _receive(receiver, mailbox, cfg.weight_sync.peer_timeout_s)
                 continue
             assert op == "generate", op
+            between_steps = None
+            if cfg.generator.inflight_updates:  # a sync posted meanwhile lands between two engine steps
+                between_steps = functools.partial(_sync_in_flight, receiver, mailbox, cfg.weight_sync.peer_timeout_s)
             try:
-                rollouts = generator.generate(request.pop("prompts"), **request)
+                rollouts = generator.generate(request.pop("prompts"), between_steps=between_steps, **request)
             except Exception as e:  # the trainer raises it too, rather than wait for rollouts
                 mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
                 raise
             mailbox.put("reply", {"rollouts": rollouts})
     finally:
         generator.close()
+
+
+def _sync_in_flight(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
+    """generator.inflight_updates: the syncs at the head of the mailbox, received now, between two engine steps
+    of the generate in progress (a "generate" at the head waits: it was posted before them)."""
+    while (message := mailbox.peek("msg")) is not None and message["op"] == "sync":
+        mailbox.get("msg", "request")
+        _receive(receiver, mailbox, timeout_s)
 
 
 def _receive(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
