@@ -175,7 +175,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 sync_s = generator.sync(trainer.sync_state(), version=step)
             # 2. generate: this step's rollouts, requested grpo.max_staleness steps ago (0: just now)
             with one_line_oom(f"step {step}'s generation"):
-                prompts, rollouts = queue.next(step)
+                prompts, rollouts = queue.next(step, prefetch=builder.prefetch)  # early groups' pi_old, if streamed
             wait_s = time.perf_counter() - t_step - sync_s
             # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step):  # a resumed run evaluates where an uninterrupted one does

@@ -252,6 +252,8 @@ class GeneratorConfig:
     """weight_sync.transport inplace, CUDA: free the engine's device memory while the trainer steps (vLLM sleep mode); the next sync wakes it. kv_cache: level 1 (KV cache dropped, weights parked in host memory); weights: level 2 (both dropped: the next sync rewrites and verifies every tensor, nothing is served before). vLLM has no sleep mode on CPU."""
     inflight_updates: bool = False
     """weight_sync.transport nccl: a sync lands between two engine iterations of the generate in progress (PipelineRL's in-flight weight updates): running samples are not stopped, the next iteration computes with the new weights, and each token records the version it was sampled with; requests made after a sync never reuse KV blocks computed under older weights (vLLM's cache_salt, set to the version). Needs generator.async_scheduling false: vLLM then runs no iteration between two engine steps."""
+    stream_groups: bool = False
+    """weight_sync.transport nccl: each replica posts a group as soon as its samples finish, and the trainer recomputes pi_old of the finished groups (one group at a time, split over its ranks) while the rest are still generated, instead of all of them after the slowest. Single-turn tasks."""
     colocated_ranks: Literal["all", "first"] = "all"
     """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -66,6 +66,9 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
         cfg.generator.parallelism.check("generator.parallelism", world_size=world_size, exact=False)
     if cfg.weight_sync.transport == "server":
         check_serve(cfg)
+    if cfg.generator.stream_groups and cfg.weight_sync.transport != "nccl":
+        raise ValueError(f"generator.stream_groups: groups stream from a generator on its own rank (weight_sync."
+                         f"transport 'nccl'); with '{cfg.weight_sync.transport}' the trainer's ranks generate them")
     if cfg.generator.inflight_updates:
         if cfg.weight_sync.transport != "nccl":
             raise ValueError(f"generator.inflight_updates: a sync lands in a running generate on the generator's own "

@@ -10,8 +10,8 @@ drives; each replica answers its own mailbox in order:
     trainer rank 0 (RemoteGenerator)          each generator replica (serve)
     "start"                                   builds its sync plan (NcclReceiver)
     "sync"     + NcclSender.sync (all ranks)  NcclReceiver.receive (one broadcast feeds all replicas)
-    "generate" {its block of prompts,         Engine.generate -> the pickled Rollouts
-                first_prompt, n, seed, ...}
+    "generate" {its block of prompts,         Engine.generate -> the pickled Rollouts; with "stream", each
+                first_prompt, n, seed, ...}     finished group first, on a box of its own ("group")
     "stop"     (also after a trainer error)   closes the engine, returns
 
 With generator.inflight_updates a "sync" that arrives while a "generate" runs
@@ -66,8 +66,8 @@ class Mailbox:
     def __init__(self, store: dist.Store, *, timeout_s: float, peer: str, replica: int = 0) -> None:
         self.store = dist.PrefixStore(f"{_PREFIX}/{replica}", store)
         self.timeout_s, self.peer = timeout_s, peer
-        self.sent = {"msg": 0, "reply": 0}
-        self.read = {"msg": 0, "reply": 0}
+        self.sent = {"msg": 0, "reply": 0, "group": 0}
+        self.read = {"msg": 0, "reply": 0, "group": 0}
 
     def put(self, box: str, value) -> None:
         self.store.set(f"{box}/{self.sent[box]}", pickle.dumps(value))
@@ -76,6 +76,10 @@ class Mailbox:
     def waiting(self, box: str) -> bool:
         """Whether the next ``box`` entry has arrived."""
         return self.store.check([f"{box}/{self.read[box]}"])
+
+    def arrived(self, box: str, index: int) -> bool:
+        """Whether ``box`` entry ``index`` is there (not yet read: the reader deletes what it reads)."""
+        return self.store.check([f"{box}/{index}"])
 
     def peek(self, box: str):
         """The next ``box`` entry if it has arrived (left for ``get``), else None; does not wait."""
@@ -113,6 +117,8 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
         if mailbox.get("msg", "start message")["op"] == "stop":  # the trainer failed before its first sync
             return
         receiver = NcclReceiver(generator=generator, world=world, timeout_s=cfg.weight_sync.peer_timeout_s)
+        served = 0
+        """Generate requests answered: the trainer numbers them alike."""
         while True:
             request = mailbox.get("msg", "request")
             op = request.pop("op")
@@ -125,14 +131,24 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
             between_steps = None
             if cfg.generator.inflight_updates:  # a sync posted meanwhile lands between two engine steps
                 between_steps = functools.partial(_sync_in_flight, receiver, mailbox, cfg.weight_sync.peer_timeout_s)
+            on_group = None
+            if request.pop("stream", False):  # generator.stream_groups: each group as soon as it is finished
+                on_group = functools.partial(_post_group, mailbox, request=served, first=request["first_prompt"])
             try:
-                rollouts = generator.generate(request.pop("prompts"), between_steps=between_steps, **request)
+                rollouts = generator.generate(request.pop("prompts"), between_steps=between_steps, on_group=on_group,
+                                              **request)
             except Exception as e:  # the trainer raises it too, rather than wait for rollouts
                 mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
                 raise
-            mailbox.put("reply", {"rollouts": rollouts})
+            mailbox.put("reply", {"rollouts": rollouts})  # after its groups: the trainer's end of the stream
+            served += 1
     finally:
         generator.close()
+
+
+def _post_group(mailbox: Mailbox, group: int, rollouts, *, request: int, first: int) -> None:
+    """generator.stream_groups: one finished group of request ``request``, numbered in the whole request."""
+    mailbox.put("group", {"request": request, "group": first + group, "rollouts": rollouts})
 
 
 def _sync_in_flight(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
