@@ -14,6 +14,9 @@ taken (the own-rank layout serves requests in order; the server may run
 requests concurrently, and its ``sync`` waits for the ones made before it). This is what
 lets the loop keep requests in flight while it trains (grpo.max_staleness)
 and still know which weights each batch came from (``Rollouts.weight_version``).
+With generator.inflight_updates (own-rank layout) a sync also reaches the request
+running on a replica, from its next engine step on; its tokens then record their
+versions one by one (``Rollouts.versions``).
 """
 
 from collections.abc import Callable
