@@ -47,7 +47,8 @@ def batches_in_flight(engine) -> bool:
 def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
     """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
     {request id: preemptions so far} of the waiting ones that were preempted). A preempted request goes back
-    to the front of the waiting queue (``prepend_request``) and stays there at least until the next step, so
+    to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays there at
+    least until the next step, so
     reading after every step sees every preemption, and the scan stops at the first never-preempted request
     (EngineCore.scheduler, Scheduler.running/.waiting, Request.num_preemptions: vLLM 0.26 and 0.32)."""
     scheduler = engine.engine_core.engine_core.scheduler
@@ -60,9 +61,10 @@ def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
 
 
 def kv_cache_tokens(engine) -> int:
-    """Tokens the KV cache of an in-process ``LLMEngine`` holds (vLLM logs it as "KV cache size")."""
-    cache = engine.vllm_config.cache_config
-    return cache.num_gpu_blocks * cache.block_size
+    """Tokens the KV cache of an in-process ``LLMEngine`` holds (vLLM logs it as "KV cache size"): its scheduler's
+    block pool (read on vLLM 0.26 by scripts/gpu/gen_drift.py, and 0.32) times the block size."""
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks * engine.vllm_config.cache_config.block_size
 
 
 def compilable(model_cls: type, *, enable_if) -> type:

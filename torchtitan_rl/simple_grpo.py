@@ -204,6 +204,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,
                 generate_s=rollouts.generate_s, wait_rollouts_s=wait_s, generator_idle_s=rollouts.idle_s,
+                tail=rollouts.trace.metrics() if rollouts.trace is not None else {},
                 train_s=train_s, step_s=time.perf_counter() - t_step,
             )
             logger.log(step, record.as_dict())

@@ -44,6 +44,12 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
         raise ValueError(
             f"generator.max_model_len: {max_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"
         )
+    for name in ("micro_batch_tokens", "recompute_micro_batch_tokens"):
+        budget = getattr(cfg.trainer, name)
+        if 0 < budget < max_len:  # trainer/micro_batches.py never splits a row: one this long would pass the budget
+            raise ValueError(f"trainer.{name}: {budget} tokens is less than generator.max_model_len {max_len}, the "
+                             f"longest row, and a row is never split over micro-batches; set at least {max_len} "
+                             "(or 0: micro_batch_size rows only)")
     if cfg.generator.load_format == "auto" and cfg.model.hf_checkpoint is None:
         raise ValueError("generator.load_format: 'auto' needs model.hf_checkpoint to be set")
 

@@ -199,11 +199,23 @@ class Engine:
             enable_sleep_mode=config.sleep != "off",
         )
         self.model = compat.vllm_model(self.engine)
+        self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
+        """Tokens the engine's KV cache holds (vLLM's "KV cache size")."""
         if config.load_format == "auto":
             self._version = 0  # explicit opt-in: the checkpoint's weights, no trainer
         else:
             self._poison()
         self._request_counter = 0
+
+    def capacity_line(self) -> str:
+        """One line on what the KV cache holds at once, against generator.max_num_seqs: fewer sequences of
+        max_model_len than max_num_seqs means long samples wait for room or get preempted (recomputed)."""
+        c = self.config
+        fits = self.kv_cache_tokens // c.max_model_len
+        verdict = (f"fewer than max_num_seqs {c.max_num_seqs}: full-length samples wait or are preempted"
+                   if fits < c.max_num_seqs else f"max_num_seqs {c.max_num_seqs} fit")
+        return (f"torchtitan_rl: generator KV cache {self.kv_cache_tokens} tokens: {fits} sequences of "
+                f"max_model_len {c.max_model_len} at once, {verdict}")
 
     @torch.no_grad()
     def _poison(self) -> None:

@@ -82,7 +82,7 @@ class Rollouts:
             generate_s=max(p.generate_s for p in parts),
             idle_s=sum(p.idle_s for p in parts) / len(parts),
             loss_mask=masks,
-            trace=EngineTrace.merge([p.trace for p in parts]) if all(p.trace for p in parts) else None,
+            trace=EngineTrace.merge([p.trace for p in parts]) if all(p.trace is not None for p in parts) else None,
             versions=versions,
             finished=finished,
             generated=None if all(p.generated is None for p in parts) else sum(p.generated_tokens() for p in parts),

@@ -25,6 +25,8 @@ class EngineTrace:
     """Engine steps (each schedules and runs one batch)."""
     tail_s: float = 0.0
     """Seconds during which fewer than TAIL_FRACTION of the wave's sequences were unfinished (running or waiting)."""
+    tail_iterations: int = 0
+    """The engine steps of those seconds."""
     running_s: float = 0.0
     """Sequence-seconds: the integral of the number of running sequences over the loop."""
     slot_s: float = 0.0
@@ -76,6 +78,7 @@ class TraceRecorder:
         t.running_s += dt * self.running
         if self.unfinished < TAIL_FRACTION * t.sequences:
             t.tail_s += dt
+            t.tail_iterations += 1
         self.last, self.running, self.unfinished = now, running, running + waiting
         self.preempted.update(preempted)
 
