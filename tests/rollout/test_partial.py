@@ -6,6 +6,8 @@ tests/engine/test_partial_engine.py; here the engine's answer is written by hand
 
 import pickle
 
+import pytest
+
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.engine.rollouts import Rollouts
 from torchtitan_rl.grpo.tasks.base import Prompt
@@ -109,3 +111,22 @@ def test_the_buffer_round_trips_through_a_checkpoint_pickle():
     again.load_state_dict(pickle.loads(pickle.dumps(buffer.state_dict())))
     a, b = buffer.request(1, _prompts(13), seed=0)[1], again.request(1, _prompts(13), seed=0)[1]
     assert pickle.dumps(a) == pickle.dumps(b)
+
+
+def test_a_multi_turn_task_is_refused_in_one_line_naming_the_field():
+    from torchtitan_rl.grpo.tasks.base import Task
+    from torchtitan_rl.rollout.queue import RolloutQueue
+
+    class Episodes(Task):  # plays whole episodes in its own submit, as tasks/episodes.py's do
+        tokenizer, eos_id, pad_id = None, 0, 0
+        sample_prompts = reward = describe = lambda *a, **k: None
+
+        def submit(self, generator, prompts, **kwargs):
+            raise AssertionError("not reached")
+
+    for field in ("grpo.partial.enable", "generator.stream_groups"):
+        cfg = _cfg()
+        cfg.grpo.partial.enable = field == "grpo.partial.enable"
+        cfg.generator.stream_groups = field == "generator.stream_groups"
+        with pytest.raises(ValueError, match=rf"^{field}: task Episodes plays multi-turn episodes"):
+            RolloutQueue(cfg, generator=None, task=Episodes())
