@@ -472,12 +472,15 @@ class Engine:
                 new, new_lps = list(c.token_ids), list(c.logprobs.logprobs)
             elif rid in cut:
                 new, new_lps = cut[rid]
+            else:  # finished in an earlier request, or a partial request that stopped before adding it
+                assert partial, f"request {rid} did not finish"
             if new:
                 ids, lps = ids + new, lps + new_lps
             completions.append(ids)
             logprobs.append(lps)
             if versions is not None:
-                versions.append(([] if so_far is None else list(so_far.versions[k])) + _expand(changes.get(rid), len(new)))
+                before = [] if so_far is None else list(so_far.versions[k])
+                versions.append(before + _expand(changes.get(rid), len(new)))
         ended = [rid in finished or rid is None for rid, _ in requests[a:b]] if partial else None
         return Rollouts(prompt_ids, completions, logprobs, version, versions=versions, finished=ended)
 

@@ -58,6 +58,8 @@ class BatchBuilder:
                  device: torch.device) -> None:
         self.cfg, self.task, self.trainer, self.reference, self.device = cfg, task, trainer, reference, device
         grpo = cfg.grpo
+        self.max_age = max(grpo.max_staleness, grpo.partial.max_token_age if grpo.partial.enable else 0)
+        """The most versions a trained token may be behind: grpo.partial's bound, else the staleness bound."""
         self.early: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[torch.Tensor, torch.Tensor | None]] = {}
         """generator.stream_groups: (prompt, completion) -> its pi_old (and reference) logprobs, recomputed one
         group at a time; the step's ``build`` uses and clears them."""
@@ -119,7 +121,7 @@ class BatchBuilder:
         is_weights_BL, is_stats = importance_weights(
             trainer_lp_BL, gen_lp_BL, mask_BL, mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
             level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
-            ages_BT=ages_BL, max_age=max(cfg.grpo.max_staleness, cfg.grpo.partial.max_token_age * cfg.grpo.partial.enable),
+            ages_BT=ages_BL, max_age=self.max_age,
         )
         is_stats = self._reduce(is_stats, mask_BL)
         if self.reference is not None and not cfg.generator.stream_groups:  # the frozen initial policy of the KL term
@@ -158,7 +160,8 @@ class BatchBuilder:
                 self.early[(tuple(prompt_ids[r]), tuple(completion_ids[r]))] = (
                     logprobs[0][r - a, :n], logprobs[1][r - a, :n] if len(logprobs) > 1 else None)
 
-    def _by_group(self, batch: Groups, rows: slice, mask_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _by_group(self, batch: Groups, rows: slice, mask_BL: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows' pi_old (and reference) logprobs from the groups recomputed alone: the early ones
         (``prefetch``), the others now; 0 off ``mask_BL``."""
         G = batch.group_size

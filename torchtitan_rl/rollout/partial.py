@@ -110,7 +110,8 @@ class UnfinishedBuffer:
         batch = Rollouts.concat([pool.groups[i].so_far for i in sorted(chosen)])
         batch.finished = None
         # The step's own generate: its timings and trace (engine/trace.py), however many requests its groups span.
-        batch.weight_version, batch.generate_s, batch.idle_s = rollouts.weight_version, rollouts.generate_s, rollouts.idle_s
+        batch.weight_version, batch.generate_s = rollouts.weight_version, rollouts.generate_s
+        batch.idle_s = rollouts.idle_s
         batch.trace = rollouts.trace
         batch.generated = sum(map(len, rollouts.completion_ids)) - before
         self.stats = {
