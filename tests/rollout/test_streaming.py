@@ -21,9 +21,12 @@ SHORT = {"trainer.steps": 3, "grpo.prompts_per_step": 8, "weight_sync.transport"
 """One trainer rank + one generator rank, batch-invariant: per-group and whole-batch recomputes are equal bits."""
 TAIL = {"trainer.steps": 5, "weight_sync.transport": "nccl", "grpo.max_staleness": 1,
         "generator.inflight_updates": "true", "generator.async_scheduling": "false", "generator.stream_groups": "true",
-        "grpo.partial.enable": "true", "grpo.partial.over_sample": 8, "grpo.partial.max_token_age": 3,
-        "generator.sampling.max_tokens": 32, "grpo.importance_correction": "truncate"}
-"""2 trainer ranks + 1 generator rank, asynchronous, with every feature on; samples up to 32 tokens long."""
+        "grpo.partial.enable": "true", "grpo.partial.over_sample": 2, "grpo.partial.max_token_age": 3,
+        "grpo.prompts_per_step": 8, "generator.max_num_seqs": 8, "generator.sampling.max_tokens": 48,
+        "grpo.importance_correction": "truncate"}
+"""2 trainer ranks + 1 generator rank, asynchronous, with every feature on. A request's 80 samples of up to 48
+tokens, 8 at a time, take the generator far longer than a step of 64 rows takes the trainer: each step's sync is
+posted while the generator is in the middle of the next request."""
 
 
 def _torchrun(nproc: int, output_dir: Path, overrides: dict) -> list[dict]:
@@ -65,3 +68,5 @@ def test_partial_rollouts_stream_and_take_syncs_in_flight_on_their_own_rank(tmp_
     # Samples were cut and continued: tokens two or more versions old trained.
     assert sum(r["partial_carried_samples"] for r in records) > 0
     assert max(r["version_age_max"] for r in records) >= 2
+    # Step k's request started under version k - 1, and sync k landed in it: its later tokens are version k's.
+    assert all(r["version_age_0_frac"] > 0 and r["version_age_1_frac"] > 0 for r in records[1:]), records
