@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, run_cli
+from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, not_timings, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 from torchtitan_rl.rollout.base import Rollouts
@@ -129,7 +129,7 @@ def _partial_config(output_dir: Path, *, steps: int) -> JobConfig:
 
 
 def _not_timings(history: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in history]
+    return [not_timings(r) for r in history]
 
 
 @pytest.mark.slow

@@ -264,6 +264,12 @@ def unfinished_outputs(engine) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
+def unfinished_counts(engine) -> dict[str, int]:
+    """How many tokens each request ``unfinished_outputs`` would list has so far (nothing copied)."""
+    return {getattr(state, "external_req_id", None) or state.request_id: len(state.detokenizer.output_token_ids)
+            for state in engine.output_processor.request_states.values()}
+
+
 def abort_requests(engine, request_ids: list[str]) -> None:
     """Drop these requests of an in-process ``LLMEngine`` (their KV blocks freed; a batch in flight that holds
     them is still collected by the next step, which reports nothing for them)."""

@@ -95,8 +95,7 @@ def partial_stop(partial: PartialRequest, *, unfinished: set[int], generated: Ca
 
 def _generated(engine, finished: dict) -> int:
     """Tokens a generate sampled so far: its finished requests' and its running ones'."""
-    return sum(len(c.token_ids) for c in finished.values()) + sum(
-        len(ids) for ids, _ in compat.unfinished_outputs(engine).values())
+    return sum(len(c.token_ids) for c in finished.values()) + sum(compat.unfinished_counts(engine).values())
 
 
 def _expand(changes: list[tuple[int, int]] | None, count: int) -> list[int]:
@@ -299,9 +298,9 @@ class Engine:
                 f"keys/values of the old weights could serve version {version}; the sync failed and nothing is "
                 "served until the next one")
         if inflight:  # every unfinished request samples its next token with the new weights
-            so_far = compat.unfinished_outputs(self.engine)
+            counts = compat.unfinished_counts(self.engine)
             for rid, changes in self._running.items():
-                changes.append((len(so_far[rid][0]) if rid in so_far else 0, version))
+                changes.append((counts.get(rid, 0), version))
         with self._cond:
             self._syncing = False
             self._version = version
