@@ -51,6 +51,15 @@ hand: two bf16 evaluations of the same weights, each within NOISE_FACTOR x its m
 optimizer step behind (lr 3e-3) is >= 4e-2 away (test_without_weight_sync_the_run_does_not_learn)."""
 
 
+TIME_WEIGHTED = {"gen_tail_share", "gen_batch_fill"}
+"""Metrics weighted by wall time (engine/trace.py): like the *_s timings, they differ between runs of one seed."""
+
+
+def not_timings(record: dict) -> dict:
+    """A metrics.jsonl line without what wall time decides (scripts/check_same_metrics.py's rule)."""
+    return {k: v for k, v in record.items() if not k.endswith("_s") and k not in TIME_WEIGHTED}
+
+
 def free_port() -> int:
     """A free local TCP port for a torchrun rendezvous, below the kernel's ephemeral range.
 

@@ -26,6 +26,8 @@ class StepMetrics:
     """Trainer.train_step's: loss, kl, clipping, gradient norm, entropy, ..."""
     mismatch: dict[str, float]
     importance: dict[str, float]
+    partial: dict[str, float]
+    """grpo.partial's carried and dropped samples; {} when off."""
     completion_tokens: float
     """Generated this step, dynamic sampling's refills included."""
     weight_version: int
