@@ -12,6 +12,7 @@ import torch
 from torchtitan_rl.config import GeneratorConfig, ModelConfig
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.shape import ModelShape, build_titan_model
+from torchtitan_rl.run.metrics import is_timing
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DATASET = REPO / "torchtitan_rl" / "grpo" / "tasks" / "data" / "gsm8k_style_sample.jsonl"
@@ -51,13 +52,9 @@ hand: two bf16 evaluations of the same weights, each within NOISE_FACTOR x its m
 optimizer step behind (lr 3e-3) is >= 4e-2 away (test_without_weight_sync_the_run_does_not_learn)."""
 
 
-TIME_WEIGHTED = {"gen_tail_share", "gen_batch_fill"}
-"""Metrics weighted by wall time (engine/trace.py): like the *_s timings, they differ between runs of one seed."""
-
-
 def not_timings(record: dict) -> dict:
-    """A metrics.jsonl line without what wall time decides (scripts/check_same_metrics.py's rule)."""
-    return {k: v for k, v in record.items() if not k.endswith("_s") and k not in TIME_WEIGHTED}
+    """A metrics.jsonl line without what wall time decides (run/metrics.is_timing)."""
+    return {k: v for k, v in record.items() if not is_timing(k)}
 
 
 def free_port() -> int:

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
-from torchtitan_rl.run.metrics import is_timing
+from tests.helpers import REPO, not_timings
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 8
@@ -52,7 +51,7 @@ def _kill_when(proc: subprocess.Popen, moment, timeout_s: float = 300) -> None:
 
 def _records(run: Path) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not is_timing(k)} for line in lines]
+    return [not_timings(json.loads(line)) for line in lines]
 
 
 @pytest.mark.slow
