@@ -13,11 +13,11 @@ import random
 import pytest
 
 from tests.helpers import BF16_MISMATCH_MEAN, make_generator, native_state, reference_logprobs, trainer_model
-from torchtitan_rl.config import SamplingConfig, WeightSyncConfig
+from torchtitan_rl.config import SamplingConfig, TaskConfig, WeightSyncConfig
 from torchtitan_rl.grpo.batch import pack_rollouts
-from torchtitan_rl.grpo.tasks.calculator import calculate, find_call
+from torchtitan_rl.grpo.tasks.calculator import CalculatorTask, calculate, find_call
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
-from torchtitan_rl.grpo.tasks.episodes import ToolTask
+from torchtitan_rl.grpo.tasks.episodes import ToolTask, _Episode
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 MAX_TOTAL = 24
@@ -100,9 +100,27 @@ def test_same_seed_same_episodes(episodes):
 @pytest.mark.parametrize("expression, value", [
     ("7 * 12 - 5", "79"), ("(3 + 4) / 2", "3.5"), ("-3", "-3"), ("2.5 * 2", "5"),
     ("1 / 0", "error"), ("9 ** 9 ** 9", "error"), ("__import__('os')", "error"), ("x + 1", "error"),
+    # SmolLM2-135M's calls, greedy, on held-out problems: its guess after "=" is replaced by the value.
+    ("10 * 9 = 90", "90"), ("15 * 7 = 115", "105"), ("25 * 5 = 125 shells", "125"),
+    ("72 * 8 * 1 = 72 * 8 = 560", "576"), ("COINS: 19", "error"),
 ])
 def test_calculator_evaluates_arithmetic_only(expression, value):
     assert calculate(expression) == value
+
+
+def test_a_turn_closed_by_smollm2s_token_gets_the_answer_the_prompt_shows(smollm2_dir):
+    """SmolLM2 closes a call with the token "><" (as the prompt's example tokenizes "</calc><result>"): the
+    episode reads "</calc><result>", not "</calc><<result>"."""
+    task = CalculatorTask(TaskConfig(), tokenizer_dir=str(smollm2_dir))
+    assert task.call_tool("7 * 12</calc>") == task.call_tool("7 * 12</calc> so") == "<result>84</result>"
+    assert task.call_tool("7 * 12</calc><") == "result>84</result>"
+    ids = task.tokenizer("10 * 9 = 90</calc><result>90</result> So 90.", add_special_tokens=False)["input_ids"]
+    episode = _Episode(prompt=[1])
+    task._extend(episode, ids, [0.0] * len(ids), last_turn=False, room=400)
+    policy = [t for t, m in zip(episode.tokens, episode.mask) if m]
+    assert task.tokenizer.decode(policy) == "10 * 9 = 90</calc><"  # cut after the token that closed the call
+    assert task.tokenizer.decode(episode.tokens) == "10 * 9 = 90</calc><result>90</result>"
+    assert task.completion_text(episode.tokens) == "10 * 9 = 90</calc>"  # the tool's answer is not the policy's
 
 
 def test_calculator_call_syntax():
