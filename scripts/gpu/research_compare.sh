@@ -11,8 +11,10 @@
 #   bash scripts/gpu/research_compare.sh pack       # tables + raw results -> $OUT (always 3 files)
 #
 # A run is PRESET or PRESET@SEED (seed 0 if none) and writes $RUNS/PRESET_sSEED (run-N/ and latest); the long run
-# $RUNS/long_PRESET. Run i of COMPARE goes to GPU (i mod G), G = the GPUs nvidia-smi lists, so PER GPU share a GPU
-# when there are more runs than GPUs; the first run on each GPU starts at once, the next STAGGER s later (vLLM
+# $RUNS/long_PRESET. PRESET "calculator" is the tool task (CALC_ARGS on the default config, evaluated every 10
+# steps on 200 held-out problems, as the earlier 40-step run), "calcnobonus" the same without the format bonus.
+# Run i of COMPARE goes to GPU_LIST[i mod G] (default: every GPU nvidia-smi lists), so runs share a GPU when there
+# are more runs than GPUs; the first run on each GPU starts at once, the next STAGGER s later (vLLM
 # profiles its GPU's free memory at start). Every comparison run gets the same overrides: seed, STEPS, evaluation
 # every EVAL_EVERY steps (held-out split + word_problems, before step 0 and after the last), GPU_MEM of its GPU for
 # vLLM, micro-batches of MICRO rows, a checkpoint every CKPT steps (a run that dies resumes from it), and
@@ -37,7 +39,14 @@ STAGGER=${STAGGER:-30}
 LONG_STEPS=${LONG_STEPS:-400}
 LONG_GPU=${LONG_GPU:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-2}
-config() { [ "$1" = default ] && echo run_configs/smollm2_135m_math.toml || echo "run_configs/smollm2_135m_math_$1.toml"; }
+CALC_ARGS=${CALC_ARGS:-"--grpo.task calculator --task.max_turns 3 --generator.sampling.max_tokens 128 --eval.max_tokens 128 --eval.num_prompts 200 --eval.every_n_steps 10"}
+config() {
+  case $1 in default|calculator|calcnobonus) echo run_configs/smollm2_135m_math.toml ;;
+             *) echo "run_configs/smollm2_135m_math_$1.toml" ;; esac
+}
+extra() {  # the tool-task runs (docs/benchmarks.md, "Multi-turn tool task"): the calculator, with and without the format bonus
+  case $1 in calculator) echo "$CALC_ARGS" ;; calcnobonus) echo "$CALC_ARGS --task.format_reward_weight 0" ;; esac
+}
 ngpus() { n=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$n" -gt 0 ] && echo "$n" || echo 1; }
 folder() { local seed=0; [[ $1 == *@* ]] && seed=${1#*@}; echo "${1%@*}_s$seed"; }
 alive() { [ -f "$RUNS/$1.pid" ] && kill -0 "$(cat "$RUNS/$1.pid")" 2>/dev/null; }
@@ -87,16 +96,17 @@ case ${1:-pack} in
   start)
     python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct || exit 1
     mkdir -p "$RUNS"
-    G=$(ngpus); i=0
+    read -r -a gpus <<< "${GPU_LIST:-$(seq -s ' ' 0 $(( $(ngpus) - 1 )))}"; G=${#gpus[@]}; i=0
     for run in $COMPARE; do
       name=$(folder "$run"); preset=${run%@*}; seed=0; [[ $run == *@* ]] && seed=${run#*@}
       [ -f "$RUNS/$name.args" ] && { echo "== $name: already launched (wait resumes it)"; i=$((i + 1)); continue; }
       echo "--config $(config "$preset") --job.output_dir $RUNS/$name --job.seed $seed --trainer.steps $STEPS" \
            "--eval.every_n_steps $EVAL_EVERY --generator.gpu_memory_utilization $GPU_MEM" \
            "--trainer.micro_batch_size $MICRO --trainer.checkpoint.enable --trainer.checkpoint.interval $CKPT" \
-           "--trainer.checkpoint.keep_latest 1 --job.export --metrics.samples_per_eval 8" > "$RUNS/$name.args"
+           "--trainer.checkpoint.keep_latest 1 --job.export --metrics.samples_per_eval 8 $(extra "$preset")" \
+           > "$RUNS/$name.args"
       [ $i -gt 0 ] && [ $((i % G)) -eq 0 ] && sleep "$STAGGER"  # a second run on a GPU: after the first's engine
-      launch "$name" $((i % G))
+      launch "$name" "${gpus[$((i % G))]}"
       i=$((i + 1))
     done
     ;;

@@ -5,9 +5,9 @@
     python scripts/gpu/research_table.py --runs /tmp/research --write-benchmarks docs/benchmarks.md --machine "..."
 
 Layout under --runs: one job.output_dir per run, named PRESET_sSEED (default_s0, grpo_s1, ...) for the
-comparison and long_PRESET for the long run, each holding run-N/ and the link latest (metrics.jsonl,
-samples.jsonl, config.toml); eval_NAME.json beside them is the standalone evaluator's report on that run's
-export (research_compare.sh evaluate). A run with no metrics yet is a row saying so; a line a kill cut short
+comparison, long_PRESET for the long run and calculator_s0 / calcnobonus_s0 for the tool task, each holding
+run-N/ and the link latest (metrics.jsonl, samples.jsonl, config.toml); eval_NAME.json beside them is the
+standalone evaluator's report on that run's export (research_compare.sh wait). A run with no metrics yet is a row saying so; a line a kill cut short
 is skipped; where a step has two lines (a resume), the later one counts.
 
 The best preset: the highest final held-out accuracy (the mean over its seeds where it has two), ties broken
@@ -26,8 +26,19 @@ LABELS = {"default": "default (token mean, 1 step a batch)", "grpo": "GRPO (seq-
           "drgrpo": "Dr. GRPO (no std, sum / (B x 256))", "dapo": "DAPO (clip 0.28, acc. filter, overlong)",
           "gspo": "GSPO (seq ratio, clip 3e-4 / 4e-4)"}
 RUN = re.compile(r"^(?P<preset>[a-z]+)_s(?P<seed>\d+)$")
+TOOL_RUNS = ("calculator", "calcnobonus")
+"""research_compare.sh's tool-task runs: the calculator with the math config's format bonus, and without."""
 SECTION = "GRPO recipes on SmolLM2 math (cuda)"
 LONG_SECTION = "GRPO long run on SmolLM2 math (cuda)"
+TOOL_SECTION = "Multi-turn tool task after the fixes (cuda)"
+CHANGES = """What changed against the presets of the earlier, incomplete comparison (2026-11-25, below): DAPO's dynamic
+sampling keeps a group when its *accuracy* varies (some answers right, some wrong), not when the reward with the
+format bonus and length penalty does, and each refill draws only the groups still missing; the GRPO preset adds
+the published KL term (k3 to the initial policy, 0.04); Dr. GRPO divides by every row x 256, overlong-masked rows
+included; GSPO is new (sequence ratio clipped at 3e-4 / 4e-4, sequence-level off-policy correction). Every run
+scores word_problems (64 hand-written problems, not from the training generator) beside the held-out split, and
+a final answer must be an evaluated number (task.numeric_answer = "number": '38 + 81' no longer counts for 119).
+Runs shared GPUs (research_compare.sh: the same overrides for all, nothing tuned per recipe)."""
 
 
 def read_run(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]] | None:
@@ -63,7 +74,8 @@ def comparison_runs(runs: Path) -> list[str]:
     """PRESET_sSEED folders under ``runs``, presets in PRESETS order, then by seed."""
     found = [p.name for p in runs.iterdir() if p.is_dir() and RUN.match(p.name)] if runs.is_dir() else []
     key = {p: i for i, p in enumerate(PRESETS)}
-    return sorted(found, key=lambda n: (key.get(RUN.match(n)["preset"], 99), int(RUN.match(n)["seed"])))
+    found = [n for n in found if RUN.match(n)["preset"] in key]
+    return sorted(found, key=lambda n: (key[RUN.match(n)["preset"]], int(RUN.match(n)["seed"])))
 
 
 def set_names(evals: dict[int, dict]) -> list[str]:
@@ -151,7 +163,8 @@ def comparison_tables(runs: Path) -> str:
             window(steps, "approx_kl", last - 4, last, "{:.4f}"),
             f"{statistics.median(r['step_s'] for r in steps.values()):.2f}",
             export_check(runs, n, d[0], d[1])]) + " |")
-    out += ["", seeds_table(runs, data), "", f"Best preset (final held-out accuracy, mean over seeds): {best(runs)}"]
+    out += ["", seeds_table(runs, data), "", f"Best preset (final held-out accuracy, mean over seeds): {best(runs)}",
+            "", CHANGES]
     return "\n".join(out)
 
 
@@ -187,9 +200,10 @@ def best(runs: Path) -> str:
     return max(scores, key=lambda p: tuple(statistics.mean(x) for x in zip(*scores[p])))
 
 
-def long_table(runs: Path) -> str:
-    """The long run: evaluations and training over windows of 25 steps."""
-    found = sorted(p for p in runs.iterdir() if p.is_dir() and p.name.startswith("long_")) if runs.is_dir() else []
+def curve_tables(runs: Path, prefixes: tuple[str, ...], *, every: int = 25) -> str:
+    """Runs whose folder name starts with one of ``prefixes`` (the long run, the tool-task runs): evaluations and
+    training over windows of ``every`` steps."""
+    found = sorted(p for p in runs.iterdir() if p.is_dir() and p.name.startswith(prefixes)) if runs.is_dir() else []
     out = []
     for folder in found:
         d = read_run(folder)
@@ -199,15 +213,17 @@ def long_table(runs: Path) -> str:
         steps, evals = d
         sets = set_names(evals)
         head = ["steps", *(f"{'held-out' if s == 'heldout' else s} (at the window's end)" for s in sets),
-                "reward", "entropy", "length", "cut at max", "clip low", "clip high", "approx_kl", "step s"]
+                "reward", "right answers", "entropy", "length", "cut at max", "clip low", "clip high", "approx_kl",
+                "step s"]
         out += [f"{folder.name} ({len(steps)} steps trained):", "",
                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head),
-                "| before step 0 | " + " | ".join(cell(evals.get(0), s) for s in sets) + " |" + " |" * 8]
-        for first in range(0, max(steps) + 1, 25):
-            last = min(first + 24, max(steps))
+                "| before step 0 | " + " | ".join(cell(evals.get(0), s) for s in sets) + " |" + " |" * 9]
+        for first in range(0, max(steps) + 1, every):
+            last = min(first + every - 1, max(steps))
             out.append("| " + " | ".join([
                 f"{first}-{last}", *(cell(evals.get(last + 1), s) for s in sets),
-                window(steps, "reward_mean", first, last, "{:.3f}"), window(steps, "entropy", first, last),
+                window(steps, "reward_mean", first, last, "{:.3f}"), window(steps, "correct_frac", first, last, "{:.3f}"),
+                window(steps, "entropy", first, last),
                 window(steps, "response_length_mean", first, last, "{:.0f}"),
                 window(steps, "truncated_frac", first, last), window(steps, "clip_frac_low", first, last, "{:.4f}"),
                 window(steps, "clip_frac_high", first, last, "{:.4f}"), window(steps, "approx_kl", first, last, "{:.4f}"),
@@ -220,7 +236,7 @@ def long_table(runs: Path) -> str:
             out += ["", f"Held-out peak {peak[1]:.3f} at step {peak[0]}, last {end[1]:.3f} at step {end[0]}: "
                         f"{drop:.1f} standard errors below the peak."]
         out.append("")
-    return "\n".join(out) if out else "no long run under " + str(runs)
+    return "\n".join(out) if out else f"no {' or '.join(prefixes)} run under {runs}"
 
 
 def write_section(path: Path, name: str, body: str, *, machine: str, command: str) -> None:
@@ -244,14 +260,15 @@ def main() -> None:
     if args.best:
         print(best(args.runs))
         return
-    compare, long = comparison_tables(args.runs), long_table(args.runs)
-    print(compare + "\n\n" + long)
+    compare, long = comparison_tables(args.runs), curve_tables(args.runs, ("long_",))
+    tool = curve_tables(args.runs, tuple(f"{name}_s" for name in TOOL_RUNS), every=10)
+    print("\n\n".join((compare, long, tool)))
     if args.write_benchmarks:
-        write_section(args.write_benchmarks, SECTION, compare, machine=args.machine,
-                      command="bash scripts/gpu/research_compare.sh start|wait|evaluate (issue 42)")
-        if not long.startswith("no long run"):
-            write_section(args.write_benchmarks, LONG_SECTION, long, machine=args.machine,
-                          command="bash scripts/gpu/research_compare.sh long|wait")
+        for name, body, verbs in ((SECTION, compare, "start|wait"), (LONG_SECTION, long, "long|wait"),
+                                  (TOOL_SECTION, tool, "start|wait, COMPARE='calculator calcnobonus'")):
+            if not body.startswith("no "):
+                write_section(args.write_benchmarks, name, body, machine=args.machine,
+                              command=f"bash scripts/gpu/research_compare.sh {verbs} (issue 42)")
 
 
 if __name__ == "__main__":

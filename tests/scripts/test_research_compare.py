@@ -48,6 +48,7 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
     (runs / "default_s0.gpu").write_text("0")
     (runs / "gspo_s1").mkdir()  # launched, no metrics yet
     (runs / "long_default").symlink_to(runs / "default_s0")  # parsed as a long run
+    (runs / "calculator_s0").symlink_to(runs / "default_s0")  # and as a tool-task run
 
     out = tmp_path / "out"
     out.mkdir()
@@ -62,7 +63,7 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
     table = (out / "table.md").read_text()
     held = _rows(table, "Greedy accuracy ± standard error, held-out (task's split):")
     header = next(line for line in table.splitlines() if line.startswith("| run | seed | steps"))
-    assert header.split(" | ")[3:6] == ["@0", "@1", "@2"]
+    assert [c.strip() for c in header.strip("|").split(" | ")][3:6] == ["@0", "@1", "@2"]
     default = held["default (token mean, 1 step a batch)/0"]
     assert default[2] == "2" and all(c.startswith("0.000 ± 0.000") for c in default[3:6])  # random weights
     assert "no metrics yet" in held["GSPO (seq ratio, clip 3e-4 / 4e-4)/1"]
@@ -73,10 +74,15 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
     assert "Best preset (final held-out accuracy, mean over seeds): default" in table
     long = _rows(table, "long_default (2 steps trained):")
     assert list(long) == ["before step 0/0.000 ± 0.000", "0-1/0.000 ± 0.000"]
+    assert long["0-1/0.000 ± 0.000"][4] == "0.000"  # right answers (correct_frac) beside the reward
+    tool = _rows(table, "calculator_s0 (2 steps trained):")
+    assert list(tool) == ["before step 0/0.000 ± 0.000", "0-1/0.000 ± 0.000"]
+    assert "calculator" not in table[:table.index("Best preset")]  # not a preset of the comparison
 
     # The sections for docs/benchmarks.md, and every run's raw files in one tarball.
     bench = (out / "benchmarks.md").read_text()
-    for section in ("GRPO recipes on SmolLM2 math (cuda)", "GRPO long run on SmolLM2 math (cuda)"):
+    for section in ("GRPO recipes on SmolLM2 math (cuda)", "GRPO long run on SmolLM2 math (cuda)",
+                    "Multi-turn tool task after the fixes (cuda)"):
         assert bench.count(f"<!-- {section} -->") == bench.count(f"<!-- /{section} -->") == 1
     with tarfile.open(out / "research.tgz") as tgz:
         names = set(tgz.getnames())
