@@ -8,6 +8,7 @@ model that knows what a tool is. The calculator task's own episodes on
 SmolLM2 run in the GPU benchmark (docs/benchmarks.md).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -121,6 +122,21 @@ def test_a_turn_closed_by_smollm2s_token_gets_the_answer_the_prompt_shows(smollm
     assert task.tokenizer.decode(policy) == "10 * 9 = 90</calc><"  # cut after the token that closed the call
     assert task.tokenizer.decode(episode.tokens) == "10 * 9 = 90</calc><result>90</result>"
     assert task.completion_text(episode.tokens) == "10 * 9 = 90</calc>"  # the tool's answer is not the policy's
+
+
+def test_a_calculator_episode_that_stops_at_the_tools_answer_has_not_answered(smollm2_dir):
+    """"8 + 8</calc><result>16</result>" then eos (SmolLM2 ended 9 of 40 greedy held-out episodes right after a
+    result): the tool's 16 is not the policy's answer, whatever task.numeric_answer says."""
+    for numeric_answer in ("number", "expression"):
+        task = CalculatorTask(TaskConfig(numeric_answer=numeric_answer), tokenizer_dir=str(smollm2_dir))
+        prompt = dataclasses.replace(task.heldout_prompts()[0], target="16")
+
+        def ids(text):
+            return task.tokenizer(text, add_special_tokens=False)["input_ids"] + [task.eos_id]
+
+        assert task.completion_text(ids("8 + 8</calc><result>16</result>")) == "8 + 8</calc>"
+        assert not task.correct(prompt, ids("8 + 8</calc><result>16</result>"))
+        assert task.correct(prompt, ids("8 + 8</calc><result>16</result> So 16 stickers."))
 
 
 def test_calculator_call_syntax():

@@ -6,9 +6,7 @@ calculator wrote (tokens masked out of the loss). Episodes run up to
 ``task.max_turns`` turns (tasks/episodes.py); the reward is the math task's
 (math-verify on the final ``\\boxed{}`` answer, else the last number) read
 from the model's own text only: the tool's ``<result>`` spans are removed
-first, so echoing a tool output is not a way to score, and with
-``task.numeric_answer = "number"`` (the default) a call's expression left as
-the last thing written (``7 * 12 - 5</calc>`` and stop) is no answer either.
+first, so echoing a tool output, or stopping at it, is not a way to score.
 
 SmolLM2-135M writes most calls as ``10 * 9 = 90</calc>`` (its own guess after
 an "="), so the calculator evaluates what is left of the first "=" and its
