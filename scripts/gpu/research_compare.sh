@@ -125,6 +125,7 @@ case ${1:-pack} in
     while :; do
       pending=0
       for args in "$RUNS"/*.args; do
+        [ -f "$args" ] || continue  # none launched
         name=$(basename "$args" .args)
         if alive "$name"; then pending=1
         elif ! finished "$name"; then
@@ -139,6 +140,7 @@ case ${1:-pack} in
       sleep 15
     done
     for args in "$RUNS"/*.args; do
+      [ -f "$args" ] || continue
       name=$(basename "$args" .args)
       if finished "$name" && ! alive "$name"; then evaluate_export "$name" & fi
     done

@@ -14,8 +14,9 @@ import random
 import pytest
 
 from tests.helpers import BF16_MISMATCH_MEAN, make_generator, native_state, reference_logprobs, trainer_model
-from torchtitan_rl.config import SamplingConfig, TaskConfig, WeightSyncConfig
+from torchtitan_rl.config import EvalConfig, SamplingConfig, TaskConfig, WeightSyncConfig
 from torchtitan_rl.grpo.batch import pack_rollouts
+from torchtitan_rl.grpo.evaluate import Evaluator
 from torchtitan_rl.grpo.tasks.calculator import CalculatorTask, calculate, find_call
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 from torchtitan_rl.grpo.tasks.episodes import ToolTask, _Episode
@@ -36,18 +37,25 @@ class DigitTool(ToolTask, DigitsTask):
 
 
 @pytest.fixture(scope="module")
-def episodes(tmp_path_factory):
+def engine(tmp_path_factory):
+    """The tiny model and a generator serving its weights (version 4)."""
     model = trainer_model(seed=0)
     generator = make_generator(tmp_path_factory.mktemp("gen"))
     WeightSync(WeightSyncConfig(), reference=native_state(model), generator=generator).sync(
         native_state(model), version=4)
+    yield model, generator
+    generator.close()
+
+
+@pytest.fixture(scope="module")
+def episodes(engine):
+    model, generator = engine
     task = DigitTool(mode="repeat_first")
     prompts = task.sample_prompts(8, generator=random.Random(0))
     sampling = SamplingConfig(max_tokens=8)
     # A training step's seed with job.seed 42: its later turns' seeds pass 2**63 before sample_seed folds them.
     play = dict(n=2, seed=42 * 1_000_003 + 7, sampling=sampling, max_total_tokens=MAX_TOTAL)
-    yield model, task, prompts, task.rollouts(generator, prompts, **play), task.rollouts(generator, prompts, **play)
-    generator.close()
+    return model, task, prompts, task.rollouts(generator, prompts, **play), task.rollouts(generator, prompts, **play)
 
 
 def test_an_episode_is_turns_cut_after_each_call_with_masked_tool_answers(episodes):
@@ -96,6 +104,31 @@ def test_later_turns_are_sampled_from_exactly_the_sequence_the_trainer_scores(ep
 def test_same_seed_same_episodes(episodes):
     *_, a, b = episodes
     assert (a.completion_ids, a.loss_mask, a.logprobs) == (b.completion_ids, b.loss_mask, b.logprobs)
+
+
+class HeldoutDigitTool(DigitTool):
+    """Held-out prompts, and a tool called by "=" (what the random model writes greedily), answering "00"."""
+
+    def heldout_prompts(self):
+        return self.sample_prompts(8, generator=random.Random(1))
+
+    def call_tool(self, text):
+        return "00" if "=" in text else None
+
+
+def test_the_heldout_evaluation_of_a_tool_task_plays_its_episodes(engine):
+    """The loop's evaluation asks a tool task as training does (its episodes, turn and token budgets), greedy."""
+    _, generator = engine
+    task = HeldoutDigitTool(mode="repeat_first")
+    evaluator = Evaluator(EvalConfig(every_n_steps=1, max_tokens=8), task=task, spec="digits", seed=3,
+                          sampling=SamplingConfig(max_tokens=8), max_total_tokens=MAX_TOTAL)
+    evaluator.run(generator, step=0)
+    greedy = SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=8)
+    played = task.rollouts(generator, task.heldout_prompts(), n=1, seed=0, sampling=greedy,
+                           max_total_tokens=MAX_TOTAL)
+    assert all(0 in mask for mask in played.loss_mask)  # the tool answered: several turns
+    assert [r["completion"] for r in evaluator.results["heldout"]] == list(map(task.completion_text,
+                                                                             played.completion_ids))
 
 
 @pytest.mark.parametrize("expression, value", [
