@@ -2,13 +2,16 @@
 
     python scripts/gpu/research_table.py --runs /tmp/research                  # the tables (markdown)
     python scripts/gpu/research_table.py --runs /tmp/research --best           # the best preset's name, alone
-    python scripts/gpu/research_table.py --runs /tmp/research --write-benchmarks docs/benchmarks.md --machine "..."
+    python scripts/gpu/research_table.py --runs lease1/ lease2/ --write-benchmarks docs/benchmarks.md --machine "..."
 
-Layout under --runs: one job.output_dir per run, named PRESET_sSEED (default_s0, grpo_s1, ...) for the
-comparison, long_PRESET for the long run and calculator_s0 / calcnobonus_s0 for the tool task, each holding
-run-N/ and the link latest (metrics.jsonl, samples.jsonl, config.toml); eval_NAME.json beside them is the
-standalone evaluator's report on that run's export (research_compare.sh wait). A run with no metrics yet is a row saying so; a line a kill cut short
-is skipped; where a step has two lines (a resume), the later one counts.
+Each --runs folder holds one folder per run, named PRESET_sSEED (default_s0, grpo_s1, ...) for the
+comparison, long_PRESET for the long run and calculator_s0 / calcnobonus_s0 for the tool task: on the device
+a job.output_dir (run-N/ and the link latest, with metrics.jsonl, samples.jsonl, config.toml) and the
+standalone evaluator's report on the run's export beside it as eval_NAME.json (research_compare.sh wait);
+unpacked from research.tgz, the same files in the run's folder (the report as evaluate.json). A run in a later
+--runs folder replaces one of the same name in an earlier one (the leases' tarballs, unpacked side by side).
+A run with no metrics yet is a row saying so; a line a kill cut short is skipped; where a step has two lines
+(a resume), the later one counts.
 
 The best preset: the highest final held-out accuracy (the mean over its seeds where it has two), ties broken
 by the named set.
@@ -41,9 +44,22 @@ a final answer must be an evaluated number (task.numeric_answer = "number": '38 
 Runs shared GPUs (research_compare.sh: the same overrides for all, nothing tuned per recipe)."""
 
 
-def read_run(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]] | None:
-    """({step: training line}, {step: evaluation line}) of the run ``latest`` names; None without metrics."""
-    path = output_dir / "latest" / "metrics.jsonl"
+def find_runs(folders: list[Path]) -> dict[str, Path]:
+    """Run name -> its folder, over every --runs folder (a later one wins)."""
+    runs = {}
+    for folder in folders:
+        runs.update({p.name: p for p in sorted(folder.iterdir()) if p.is_dir()} if folder.is_dir() else {})
+    return runs
+
+
+def run_file(folder: Path, name: str) -> Path:
+    """A run's file: through its ``latest`` link on the device, directly in an unpacked tarball."""
+    return folder / "latest" / name if (folder / "latest").is_dir() else folder / name
+
+
+def read_run(folder: Path) -> tuple[dict[int, dict], dict[int, dict]] | None:
+    """({step: training line}, {step: evaluation line}) of a run's metrics.jsonl; None without one."""
+    path = run_file(folder, "metrics.jsonl")
     if not path.is_file():
         return None
     steps, evals = {}, {}
@@ -56,9 +72,9 @@ def read_run(output_dir: Path) -> tuple[dict[int, dict], dict[int, dict]] | None
     return steps, evals
 
 
-def read_samples(output_dir: Path, step: int) -> dict[str, list[tuple[str, str, bool]]]:
+def read_samples(folder: Path, step: int) -> dict[str, list[tuple[str, str, bool]]]:
     """samples.jsonl's (prompt, completion, correct) of one evaluation, per set."""
-    path = output_dir / "latest" / "samples.jsonl"
+    path = run_file(folder, "samples.jsonl")
     out: dict[str, list] = {}
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
@@ -70,9 +86,9 @@ def read_samples(output_dir: Path, step: int) -> dict[str, list[tuple[str, str, 
     return out
 
 
-def comparison_runs(runs: Path) -> list[str]:
-    """PRESET_sSEED folders under ``runs``, presets in PRESETS order, then by seed."""
-    found = [p.name for p in runs.iterdir() if p.is_dir() and RUN.match(p.name)] if runs.is_dir() else []
+def comparison_runs(runs: dict[str, Path]) -> list[str]:
+    """The PRESET_sSEED runs, presets in PRESETS order, then by seed."""
+    found = [name for name in runs if RUN.match(name)]
     key = {p: i for i, p in enumerate(PRESETS)}
     found = [n for n in found if RUN.match(n)["preset"] in key]
     return sorted(found, key=lambda n: (key[RUN.match(n)["preset"]], int(RUN.match(n)["seed"])))
@@ -104,15 +120,17 @@ def final_eval(steps: dict[int, dict], evals: dict[int, dict]) -> dict | None:
     return evals.get(max(steps) + 1) if steps else None
 
 
-def export_check(runs: Path, name: str, steps: dict[int, dict], evals: dict[int, dict]) -> str:
+def export_check(folder: Path, steps: dict[int, dict], evals: dict[int, dict]) -> str:
     """Whether the standalone evaluator scored the run's export as the loop's final evaluation did: the accuracy
     of every set and the completions samples.jsonl kept."""
-    report_path = runs / f"eval_{name}.json"
+    report_path = folder / "evaluate.json"
+    if not report_path.is_file():
+        report_path = folder.parent / f"eval_{folder.name}.json"
     final = final_eval(steps, evals)
     if not report_path.is_file() or final is None:
         return "-"
     report = json.loads(report_path.read_text())
-    logged = read_samples(runs / name, final["step"])
+    logged = read_samples(folder, final["step"])
     differ = []
     for set_name, s in report["sets"].items():
         if s["accuracy"] != final.get(key("accuracy", set_name)):
@@ -124,11 +142,11 @@ def export_check(runs: Path, name: str, steps: dict[int, dict], evals: dict[int,
     return "equal" if not differ else "DIFFERS: " + "; ".join(differ)
 
 
-def comparison_tables(runs: Path) -> str:
+def comparison_tables(runs: dict[str, Path]) -> str:
     names = comparison_runs(runs)
     if not names:
-        return "no comparison runs under " + str(runs)
-    data = {n: read_run(runs / n) for n in names}
+        return "no comparison runs"
+    data = {n: read_run(runs[n]) for n in names}
     eval_steps = sorted({s for d in data.values() if d for s in d[1]})
     sets = sorted({s for d in data.values() if d for s in set_names(d[1])}, key=lambda n: (n != "heldout", n))
     out = []
@@ -162,13 +180,13 @@ def comparison_tables(runs: Path) -> str:
             f"{window(steps, 'clip_frac_low', last - 4, last, '{:.4f}')} / {window(steps, 'clip_frac_high', last - 4, last, '{:.4f}')}",
             window(steps, "approx_kl", last - 4, last, "{:.4f}"),
             f"{statistics.median(r['step_s'] for r in steps.values()):.2f}",
-            export_check(runs, n, d[0], d[1])]) + " |")
-    out += ["", seeds_table(runs, data), "", f"Best preset (final held-out accuracy, mean over seeds): {best(runs)}",
+            export_check(runs[n], d[0], d[1])]) + " |")
+    out += ["", seeds_table(data), "", f"Best preset (final held-out accuracy, mean over seeds): {best(runs)}",
             "", CHANGES]
     return "\n".join(out)
 
 
-def seeds_table(runs: Path, data: dict) -> str:
+def seeds_table(data: dict) -> str:
     """Presets run with two seeds: each seed's final held-out accuracy and their difference against its SE."""
     by_preset: dict[str, list[dict]] = {}
     for n, d in data.items():
@@ -186,10 +204,10 @@ def seeds_table(runs: Path, data: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else "(no preset has two seeds yet)"
 
 
-def best(runs: Path) -> str:
+def best(runs: dict[str, Path]) -> str:
     scores: dict[str, list[tuple[float, float]]] = {}
     for n in comparison_runs(runs):
-        d = read_run(runs / n)
+        d = read_run(runs[n])
         final = final_eval(*d) if d else None
         if final is None or "eval_accuracy" not in final:
             continue
@@ -200,10 +218,10 @@ def best(runs: Path) -> str:
     return max(scores, key=lambda p: tuple(statistics.mean(x) for x in zip(*scores[p])))
 
 
-def curve_tables(runs: Path, prefixes: tuple[str, ...], *, every: int = 25) -> str:
-    """Runs whose folder name starts with one of ``prefixes`` (the long run, the tool-task runs): evaluations and
+def curve_tables(runs: dict[str, Path], prefixes: tuple[str, ...], *, every: int = 25) -> str:
+    """Runs whose name starts with one of ``prefixes`` (the long run, the tool-task runs): evaluations and
     training over windows of ``every`` steps."""
-    found = sorted(p for p in runs.iterdir() if p.is_dir() and p.name.startswith(prefixes)) if runs.is_dir() else []
+    found = [runs[name] for name in sorted(runs) if name.startswith(prefixes)]
     out = []
     for folder in found:
         d = read_run(folder)
@@ -236,7 +254,7 @@ def curve_tables(runs: Path, prefixes: tuple[str, ...], *, every: int = 25) -> s
             out += ["", f"Held-out peak {peak[1]:.3f} at step {peak[0]}, last {end[1]:.3f} at step {end[0]}: "
                         f"{drop:.1f} standard errors below the peak."]
         out.append("")
-    return "\n".join(out) if out else f"no {' or '.join(prefixes)} run under {runs}"
+    return "\n".join(out) if out else f"no {' or '.join(prefixes)} run"
 
 
 def write_section(path: Path, name: str, body: str, *, machine: str, command: str) -> None:
@@ -252,16 +270,18 @@ def write_section(path: Path, name: str, body: str, *, machine: str, command: st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", required=True, type=Path, help="the folder holding one job.output_dir per run")
+    parser.add_argument("--runs", required=True, type=Path, nargs="+",
+                        help="folders of one folder per run (research_compare.sh's RUNS, or research.tgz unpacked)")
     parser.add_argument("--best", action="store_true", help="print only the best preset's name")
     parser.add_argument("--write-benchmarks", type=Path, help="write the two sections into this benchmarks.md")
     parser.add_argument("--machine", default="?", help="what ran it (for --write-benchmarks)")
     args = parser.parse_args()
+    runs = find_runs(args.runs)
     if args.best:
-        print(best(args.runs))
+        print(best(runs))
         return
-    compare, long = comparison_tables(args.runs), curve_tables(args.runs, ("long_",))
-    tool = curve_tables(args.runs, tuple(f"{name}_s" for name in TOOL_RUNS), every=10)
+    compare, long = comparison_tables(runs), curve_tables(runs, ("long_",))
+    tool = curve_tables(runs, tuple(f"{name}_s" for name in TOOL_RUNS), every=10)
     print("\n\n".join((compare, long, tool)))
     if args.write_benchmarks:
         for name, body, verbs in ((SECTION, compare, "start|wait"), (LONG_SECTION, long, "long|wait"),

@@ -1,4 +1,5 @@
-"""scripts/gpu/research_compare.sh and research_table.py on a real run folder (run-N/, latest, an export).
+"""scripts/gpu/research_compare.sh and research_table.py on a real run folder (run-N/, latest, an export),
+and research_table.py on its research.tgz unpacked (one folder per lease).
 
 The comparison's tables are made on a lent GPU machine from what these parse; a layout change the parser
 missed would leave them silently empty, as the first version did (it read <name>/metrics.jsonl, while runs
@@ -7,7 +8,9 @@ write run-N/).
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -86,10 +89,30 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
         assert bench.count(f"<!-- {section} -->") == bench.count(f"<!-- /{section} -->") == 1
     with tarfile.open(out / "research.tgz") as tgz:
         names = set(tgz.getnames())
+        tgz.extractall(tmp_path / "unpacked", filter="data")
     assert {"./default_s0/metrics.jsonl", "./default_s0/samples.jsonl", "./default_s0/config.toml",
             "./default_s0/evaluate.json"} <= names
     assert sorted(p.name for p in out.iterdir()) == ["benchmarks.md", "research.tgz", "table.md"]
 
-    best = subprocess.run(["python", "scripts/gpu/research_table.py", "--runs", str(runs), "--best"],
+    # Here, from the tarball: the same tables (the run that wrote nothing is not in it).
+    again = subprocess.run([sys.executable, "scripts/gpu/research_table.py", "--runs", str(tmp_path / "unpacked")],
+                           capture_output=True, text=True, cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [line for line in table.splitlines() if "no metrics yet" not in line]
+    # Two leases' tarballs unpacked side by side: a run of the second replaces the first's (a cut-short
+    # default_s0 there), and the runs of each are read.
+    lease1, lease2 = tmp_path / "lease1", tmp_path / "lease2"
+    shutil.copytree(tmp_path / "unpacked", lease1)
+    lease2.mkdir()
+    for name in ("default_s0", "calculator_s0"):
+        shutil.move(lease1 / name, lease2 / name)
+    shutil.copytree(lease2 / "default_s0", lease1 / "default_s0")
+    metrics = lease1 / "default_s0" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines()[0] + "\n")
+    both = subprocess.run([sys.executable, "scripts/gpu/research_table.py", "--runs", str(lease1), str(lease2)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert both.returncode == 0, both.stderr
+    assert both.stdout == again.stdout
+    best = subprocess.run([sys.executable, "scripts/gpu/research_table.py", "--runs", str(runs), "--best"],
                           capture_output=True, text=True, cwd=REPO)
     assert best.stdout.strip() == "default"
