@@ -4,7 +4,7 @@
 # 100 steps each at the same seed, second seeds, and a 400-step long run of the best preset.
 #
 #   bash scripts/gpu/research_compare.sh start      # launch COMPARE on the machine's GPUs (setsid: runs outlive the call)
-#   bash scripts/gpu/research_compare.sh wait [S]   # up to S s (450): relaunch with --resume any run that died before
+#   bash scripts/gpu/research_compare.sh wait [S]   # up to S s (420): relaunch with --resume any run that died before
 #                                                   # its end; then evaluate finished runs' exports and pack
 #   bash scripts/gpu/research_compare.sh long [P]   # the long run: preset P (default: the best of the comparison under
 #                                                   # $RUNS) for LONG_STEPS steps alone on GPU LONG_GPU
@@ -23,9 +23,10 @@
 # A finished run's export is scored by `python -m torchtitan_rl.evaluate --run-dir RUN --model RUN/hf` (the
 # run's settings: its held-out split and word_problems) -> $RUNS/eval_NAME.json; the table says whether that
 # equals the loop's final evaluation.
-# $OUT gets table.md (research_table.py's tables), benchmarks.md (docs/benchmarks.md with the two sections
-# replaced: merge them with scripts/gpu/merge_sections.py) and research.tgz (every run's metrics.jsonl,
-# samples.jsonl, config.toml, log tail and evaluator report).
+# $OUT gets table.md (research_table.py's tables), benchmarks.md (docs/benchmarks.md with the sections of this
+# machine's runs replaced) and research.tgz (every run's metrics.jsonl, samples.jsonl, config.toml, log tail and
+# evaluator report). The tables of several leases: their research.tgz unpacked side by side, then
+# `research_table.py --runs LEASE1 LEASE2 --write-benchmarks docs/benchmarks.md` (docs/gpu.md, "Issue 42").
 set -u
 cd "$(dirname "$0")/../.."
 RUNS=${RUNS:-/tmp/research}
@@ -121,7 +122,7 @@ case ${1:-pack} in
     alive "$name" || launch "$name" "$LONG_GPU"
     ;;
   wait)
-    deadline=$(( $(date +%s) + ${2:-450} ))  # + ~90 s of evaluators: one call
+    deadline=$(( $(date +%s) + ${2:-420} ))  # + up to ~2 min of evaluators and the pack: one call under 10 min
     while :; do
       pending=0
       for args in "$RUNS"/*.args; do

@@ -258,8 +258,8 @@ def curve_tables(runs: dict[str, Path], prefixes: tuple[str, ...], *, every: int
 
 
 def write_section(path: Path, name: str, body: str, *, machine: str, command: str) -> None:
-    """Replace (or append) the marked section ``name`` of ``path`` (a docs/benchmarks.md copy: the lead merges
-    it with scripts/gpu/merge_sections.py)."""
+    """Replace (or append) the marked section ``name`` of ``path`` (docs/benchmarks.md, or a device call's copy of
+    it)."""
     section = (f"<!-- {name} -->\n## {name}\n\n- command: `{command}`\n- machine: {machine}\n"
                f"- date: {datetime.date.today().isoformat()}\n\n{body.rstrip()}\n<!-- /{name} -->\n")
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
@@ -273,7 +273,7 @@ def main() -> None:
     parser.add_argument("--runs", required=True, type=Path, nargs="+",
                         help="folders of one folder per run (research_compare.sh's RUNS, or research.tgz unpacked)")
     parser.add_argument("--best", action="store_true", help="print only the best preset's name")
-    parser.add_argument("--write-benchmarks", type=Path, help="write the two sections into this benchmarks.md")
+    parser.add_argument("--write-benchmarks", type=Path, help="write the sections that have runs into this file")
     parser.add_argument("--machine", default="?", help="what ran it (for --write-benchmarks)")
     args = parser.parse_args()
     runs = find_runs(args.runs)
