@@ -382,6 +382,12 @@ class TaskConfig:
     """Appended to every question on a new line: the answer format the reward reads best."""
     format_reward_weight: float = 0.0
     """Reward added for a \\boxed{...} answer, right or wrong; 0 scores correctness only."""
+    numeric_answer: Literal["number", "expression"] = "number"
+    """math, calculator, dataset: what an answer to a numeric reference must be. number: a number as written (119,
+    1,080, 119.0, 50%, \\frac{1}{2}), so '38 + 81 = 38 + 81' scores 0 for 119: on a task whose answer is a
+    number, math-verify's symbolic equality would reward a policy that writes the sum and stops computing.
+    expression: that symbolic equality (any expression equal to the reference). Non-numeric references
+    (x^2 + 1) are compared symbolically either way."""
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     """math: levels drawn uniformly, repeats weigh more (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
     heldout_size: int = 500
@@ -425,6 +431,9 @@ class EvalSetConfig:
     """Field holding the reference answer; GSM8K's '... #### 42' gives 42."""
     verifier: Literal["math_verify", "exact"] = "math_verify"
     """math_verify: the final answer equals the reference symbolically (training's reward); exact: the completion, stripped, equals the answer."""
+    numeric_answer: Literal["number", "expression"] = "number"
+    """math_verify: what an answer to a numeric reference must be, as task.numeric_answer (number: a number as written,
+    so '38 + 81' does not count for 119; expression: any expression equal to it). Default number, as training's."""
     system_prompt: str | None = None
     """System message of the set's prompts; none takes the run's task.system_prompt (the run's chat template either way)."""
     instruction: str | None = None
