@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from torchtitan_rl import collector
-from torchtitan_rl.run.exits import RankExits, one_line_errors
+from torchtitan_rl.run.exits import RankExits, end_when_done, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict
 from torchtitan_rl.disk import refused, write_error
@@ -69,6 +69,7 @@ def train(cfg: JobConfig) -> list[dict]:
 
         from torchtitan_rl.config import validate
         from torchtitan_rl.distributed.process_group import init_process_group
+        from torchtitan_rl.distributed.threads import set_host_threads
         from torchtitan_rl.distributed.world import init_world
         from torchtitan_rl.engine.engine import check_sleep
         from torchtitan_rl.export import snapshot
@@ -88,9 +89,11 @@ def train(cfg: JobConfig) -> list[dict]:
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     # parse_args checked the config against torchrun's world; train(cfg) may come from Python.
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    set_host_threads(cfg.job.host_threads, device_type=device.type)  # before the trainer's and vLLM's pools start
     check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)
+    cfg = _fit(cfg, shape, device=device)  # before the process group: trainer.cpu_offload picks its backends
     evaluator = None
     if cfg.eval.every_n_steps:  # every set file read now: a bad one stops the run before its folder exists
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
@@ -165,6 +168,7 @@ def train(cfg: JobConfig) -> list[dict]:
         if cfg.metrics.wandb.project is not None:
             logger.attach_wandb(cfg.metrics.wandb, run_config=redacted_dict(cfg), name=cfg.job.name)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
+        log_s = 0.0
         for step in bar:
             t_step = time.perf_counter()
             # 1. sync: the generator serves the trainer's current weights to the requests made from
@@ -178,10 +182,12 @@ def train(cfg: JobConfig) -> list[dict]:
                 prompts, rollouts = queue.next(step)
             wait_s = time.perf_counter() - t_step - sync_s
             # held-out accuracy of the weights just synced; the training samples above are already drawn
+            t_eval = time.perf_counter()
             if evaluator and evaluator.due(step):  # a resumed run evaluates where an uninterrupted one does
                 logger.log_eval(step, evaluator.run(generator, step=step))
                 logger.log_samples(step, evaluator.samples)
             # 3-5. score, advantages, this rank's rows with pi_old recomputed
+            t_build = time.perf_counter()
             batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step))
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
@@ -193,6 +199,7 @@ def train(cfg: JobConfig) -> list[dict]:
             if cfg.generator.sleep != "off":  # the engine wakes at the next sync: give it the gradients' room
                 trainer.release_gradients()
             train_s = time.perf_counter() - t_train
+            build_s = t_train - t_build
             # 7. log
             rewards_B = batch.drawn.task_rewards_B
             completion_tokens = sum(len(c) for c in rollouts.completion_ids)  # generated for the first draw
@@ -204,13 +211,16 @@ def train(cfg: JobConfig) -> list[dict]:
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,
                 generate_s=rollouts.generate_s, wait_rollouts_s=wait_s, generator_idle_s=rollouts.idle_s,
-                train_s=train_s, step_s=time.perf_counter() - t_step,
+                eval_s=t_build - t_eval, build_s=build_s, recompute_s=batch.recompute_s, train_s=train_s,
+                step_s=time.perf_counter() - t_step, log_s=log_s,
             )
+            t_log = time.perf_counter()
             logger.log(step, record.as_dict())
             bar.set_postfix(
                 reward=f"{record.reward_mean:.3f}", loss=f"{train['loss']:.4f}", kl=f"{train['kl']:.4f}",
                 mismatch=f"{record.mismatch['mismatch_mean']:.1e}", tok_s=f"{record.gen_tokens_per_s:.0f}",
             )
+            log_s = time.perf_counter() - t_log
             # 8. checkpoint, after the step's metrics line is on disk: a resume from it never lacks a line
             if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
                 logger.sync()
@@ -218,13 +228,37 @@ def train(cfg: JobConfig) -> list[dict]:
                                         files={"config.toml": to_toml(cfg)})  # what a resume compares its config with
 
         # Also for a resume of a finished run (start == steps): its final evaluation's line was dropped above.
-        _finish(cfg, evaluator=evaluator, generator=generator,
-                trainer=trainer, logger=logger, shape=shape, run=out, export_dir=export_dir,
-                summary=rank == 0, start=start, started=started)
+        plot = _finish(cfg, evaluator=evaluator, generator=generator, trainer=trainer, logger=logger, shape=shape,
+                       run=out, export_dir=export_dir)
+        generator.close()  # before the last line: the command ends right after it (run.exits.end_when_done)
+        generator = None
+        if rank == 0 and logger.history:
+            _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
     finally:
         if generator is not None:
             generator.close()
+
+
+def _fit(cfg: JobConfig, shape, *, device) -> JobConfig:
+    """The config this rank runs: job.fit auto's changes (run/fit.py), the same on every rank (a function of the
+    config and the device's size); rank 0 says what auto changed and why."""
+    import torch
+
+    from torchtitan_rl.distributed.process_group import local_device
+    from torchtitan_rl.run.fit import fit
+    from torchtitan_rl.run.memory import trainer_ranks
+
+    device = local_device(device)
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    role = "colocated"
+    if cfg.weight_sync.transport == "nccl":
+        role = "generator" if rank >= trainer_ranks(cfg, world_size) else "trainer"
+    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0
+    result = fit(cfg, shape, world_size=world_size, role=role, device_total=total)
+    if result.line and rank == 0:
+        print(f"torchtitan_rl: {result.line}", flush=True)
+    return result.config
 
 
 def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> None:
@@ -256,9 +290,8 @@ def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
     return RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
 
-def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run: Path, export_dir, summary: bool,
-            start: int, started: float) -> None:
-    """After the last step: held-out accuracy of the trained weights, the export, the plot and a summary line."""
+def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run: Path, export_dir) -> Path | None:
+    """After the last step: held-out accuracy of the trained weights, the export and the plot (its path)."""
     if evaluator:
         final_evaluation(cfg, evaluator, generator, trainer, logger)
     if export_dir is not None:  # every trainer rank: sharded tensors are gathered
@@ -267,9 +300,7 @@ def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
                   tokenizer_dir=run / SNAPSHOT, hf_checkpoint=run / SNAPSHOT, lora=cfg.model.lora,
                   dtype=cfg.model.dtype)
-    plot = logger.close()
-    if summary and logger.history:
-        _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
+    return logger.close()
 
 
 def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -> None:
@@ -301,5 +332,11 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
     logger.log_samples(version, evaluator.samples)
 
 
+def cli() -> None:
+    """The command (``python -m torchtitan_rl.simple_grpo``): ``main``, then the process ends at once (tests and
+    scripts call ``main`` in their own process)."""
+    end_when_done(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -37,9 +37,9 @@ for row in $ROWS; do
   trainer_gpus=1; used=$gpus
   case $layout in
     a) launch=(env CUDA_VISIBLE_DEVICES="${gpus%%,*}" python3); used=${gpus%%,*} ;;
-    b) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torch.distributed.run --nproc-per-node 2 --master-port "$port")
+    b) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torchtitan_rl.launch --nproc-per-node 2 --master-port "$port")
        args+=(--generator.colocated_ranks all); trainer_gpus=2 ;;
-    c) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torch.distributed.run --nproc-per-node 2 --master-port "$port")
+    c) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torchtitan_rl.launch --nproc-per-node 2 --master-port "$port")
        args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization "${SIZES_GPU_UTIL_C:-0.85}") ;;
     *) echo "unknown layout $layout in $row"; exit 2 ;;
   esac

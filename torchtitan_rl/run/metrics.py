@@ -36,8 +36,16 @@ class StepMetrics:
     wait_rollouts_s: float
     """What of sync + generate was not moving weights: the trainer waiting for its rollouts."""
     generator_idle_s: float
+    eval_s: float
+    """Held-out evaluation (0 when not due this step)."""
+    build_s: float
+    """Rollouts -> this rank's batch (grpo/builder.py): scoring, advantages, packing and the logprob recompute."""
+    recompute_s: float
+    """The logprob recompute of pi_old (and the reference's), part of build_s."""
     train_s: float
     step_s: float
+    log_s: float
+    """The previous step's logging: its metrics line, TensorBoard scalars, progress bar (after its step_s)."""
 
     def as_dict(self) -> dict[str, float]:
         flat: dict[str, float] = {}
