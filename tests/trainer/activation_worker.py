@@ -1,9 +1,10 @@
-"""One trainer's activation peaks on CPU, measured (python tests/trainer/activation_worker.py JSON): the bytes a train
-step and a logprob recompute allocate at their peak beyond what the trainer already held, beside the estimate's terms.
+"""Trainers' activation peaks on CPU, measured (python tests/trainer/activation_worker.py JSON_LIST): for each spec the
+bytes a train step and a logprob recompute allocate at their peak beyond what the trainer already held, beside the
+estimate's terms; one JSON line per spec.
 
 Measured with torch.profiler's memory events (every allocation and free of torch's CPU allocator, in order):
 the live bytes a step added at its peak, independent of the C library's heap (no RSS), so the same on any CPU.
-JSON argument: flavor, rows, length, and TrainerConfig fields (activation_checkpoint, logprob_chunk_tokens, ...).
+A spec: flavor, rows, length, and TrainerConfig fields (activation_checkpoint, logprob_chunk_tokens, ...).
 """
 
 import gc
@@ -34,13 +35,13 @@ def allocated_at_peak(fn) -> int:
     return peak
 
 
-def main(spec: dict) -> None:
-    torch.set_num_threads(1)
-    flavor, rows, length = spec.pop("flavor"), spec.pop("rows"), spec.pop("length")
+def measure(spec: dict) -> dict:
+    fields = dict(spec)
+    flavor, rows, length = fields.pop("flavor"), fields.pop("rows"), fields.pop("length")
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny" else 0,
                           max_seq_len=max(64, length))
     cfg = JobConfig(model=ModelConfig(flavor=flavor, max_seq_len=max(64, length)),
-                    trainer=TrainerConfig(**spec), generator=GeneratorConfig(max_model_len=length),
+                    trainer=TrainerConfig(**fields), generator=GeneratorConfig(max_model_len=length),
                     grpo=GRPOConfig(prompts_per_step=rows // 2, group_size=2))
     est = estimate(cfg, shape, world_size=1, device_total=0, role="trainer")
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
@@ -61,15 +62,17 @@ def main(spec: dict) -> None:
     trainer.release_gradients()
     gc.collect()
     recompute = allocated_at_peak(lambda: trainer.token_logprobs(tokens_BL, temperature=1.0, mask_BL=mask_BL))
-    print(json.dumps({
-        "train": train, "recompute": recompute,
+    return {
+        "spec": spec, "train": train, "recompute": recompute,
         # What the estimate adds to the weights and AdamW state in a step: the gathered blocks and the activations,
         # the gradients the backward writes included (released above, as the step's zero_grad does).
         "train_estimate": est.trainer_gathered + est.trainer_activations,
         "recompute_estimate": est.trainer_gathered + est.trainer_recompute,
         "train_tokens": est.train_tokens, "recompute_tokens": est.recompute_tokens,
-    }))
+    }
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    torch.set_num_threads(1)
+    for spec in json.loads(sys.argv[1]):
+        print(json.dumps(measure(spec)), flush=True)

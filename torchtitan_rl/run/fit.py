@@ -72,20 +72,28 @@ def fit(cfg: JobConfig, shape: ModelShape, *, world_size: int, role: str, device
     rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size // max(
         1, trainer_ranks(cfg, world_size) // cfg.trainer.parallelism.tensor_parallel_degree)
     floor = cfg.generator.max_model_len  # one row per micro-batch
-    while not fits():  # halve the budget of the phase over the device, while that lowers the peak
-        before = est.peak
-        train = micro_batch_tokens(cfg, rows=max(1, rows // cfg.grpo.mini_batches))
-        recompute = micro_batch_tokens(cfg, rows=rows, recompute=True)
-        if est.score_peak >= est.train_peak and recompute > floor:
-            apply("trainer.recompute_micro_batch_tokens", max(floor, recompute // 2))
-        elif est.train_peak > est.score_peak and train > floor:
-            if not cfg.trainer.recompute_micro_batch_tokens:  # it followed micro_batch_tokens: keep its budget
-                apply("trainer.recompute_micro_batch_tokens", recompute)
-            apply("trainer.micro_batch_tokens", max(floor, train // 2))
-        if est.peak >= before:  # what is left does not shrink with the micro-batch (a logprob chunk, the state)
-            break
+
+    def smaller_micro_batches() -> None:
+        while not fits():  # halve the budget of the phase over the device, while that lowers the peak
+            before = est.peak
+            train = micro_batch_tokens(cfg, rows=max(1, rows // cfg.grpo.mini_batches))
+            recompute = micro_batch_tokens(cfg, rows=rows, recompute=True)
+            if est.score_peak >= est.train_peak and recompute > floor:
+                apply("trainer.recompute_micro_batch_tokens", max(floor, recompute // 2))
+            elif est.train_peak > est.score_peak and train > floor:
+                if not cfg.trainer.recompute_micro_batch_tokens:  # it followed micro_batch_tokens: keep its budget
+                    apply("trainer.recompute_micro_batch_tokens", recompute)
+                apply("trainer.micro_batch_tokens", max(floor, train // 2))
+            if est.peak >= before:  # what is left does not shrink with the micro-batch (a logprob chunk, the state)
+                return
+
+    before_halving = (cfg, dict(changes), est)
+    smaller_micro_batches()
     if not fits() and inplace and not cfg.trainer.cpu_offload:
+        # Offloaded, the state leaves the device: the micro-batches may not need halving as far (or at all).
+        cfg, changes, est = before_halving
         apply("trainer.cpu_offload", True)
+        smaller_micro_batches()
     said = ", ".join(f"{path} {_value(v)}" for path, v in changes.items())
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
     if not fits():

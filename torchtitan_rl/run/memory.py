@@ -63,7 +63,7 @@ def block_saved_bytes(shape: ModelShape, compute: int) -> int:
     q = shape.num_attention_heads * shape.head_dim
     k = shape.num_key_value_heads * shape.head_dim
     return ((16 + 2 * compute) * shape.hidden_size + (8 + 2 * compute) * (q + k) + 4 * compute
-            * shape.intermediate_size + 16 * shape.head_dim + 4 * shape.num_attention_heads)
+            * shape.intermediate_size + 16 * shape.head_dim + 4 * shape.num_attention_heads + 64)
 
 
 def block_forward_bytes(shape: ModelShape, compute: int) -> int:
@@ -91,10 +91,11 @@ def activation_bytes(cfg: JobConfig, shape: ModelShape, *, rows: int, recompute:
     """Peak bytes beyond the trainer's weights and AdamW state of the largest micro-batch of ``rows`` rows: the
     train step's forward + backward, or (``recompute``) the logprob recompute's no-grad forward.
 
-    The train step peaks either as its backward starts (every block's saved activations, or with
+    The train step peaks either as a backward starts (every block's saved activations, or with
     activation_checkpoint full each block's input; the final hidden states; one logprob chunk's logits, all of
-    them with logprob_chunk_tokens 0, and the lm_head's float32 gradient) or late in its backward (this rank's
-    ``grads`` nearly all written, one block recomputed and its backward's transient). The recompute peaks in a
+    them with logprob_chunk_tokens 0, and the lm_head's float32 gradient; this rank's ``grads`` when earlier
+    micro-batches wrote them) or late in a backward (the gradients nearly all written, one block recomputed and its
+    backward's transient). The recompute peaks in a
     block's attention or feed-forward half, or in a logprob chunk. Both hold the unsharded embedding and lm_head.
     """
     t = cfg.trainer
@@ -115,7 +116,9 @@ def activation_bytes(cfg: JobConfig, shape: ModelShape, *, rows: int, recompute:
     inputs = tokens * layers * compute * d if full else 0  # what activation checkpointing keeps of each block
     logits = logits_tokens * vocab * LOGITS_BYTES[t.compile and not cfg.batch_invariant_mode]
     head_grad = vocab * d * 4 if chunk else 0  # trainer/logprobs.py accumulates the lm_head gradient in float32
-    early = (inputs if full else tokens * layers * block) + hidden + logits + head_grad
+    # Past the first of several micro-batches the gradients accumulated so far are there as the next forward runs.
+    accumulated = grads if tokens < rows * cfg.generator.max_model_len else 0
+    early = (inputs if full else tokens * layers * block) + hidden + logits + head_grad + accumulated
     late = grads + inputs + int(BACKWARD_PEAK * block * tokens)
     return head + max(early, late)
 
