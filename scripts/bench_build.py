@@ -42,7 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg = load_toml(args.config)
     completion = cfg.generator.sampling.max_tokens
-    task = build_task("digits", cfg.task, tokenizer_dir=None, max_prompt_tokens=cfg.generator.max_model_len - completion)
+    task = build_task("digits", cfg.task, tokenizer_dir=None,
+                      max_prompt_tokens=cfg.generator.max_model_len - completion)
     rng = random.Random(0)
     P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
     prompts = task.sample_prompts(P, generator=rng)

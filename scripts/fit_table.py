@@ -37,7 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg, total = load_toml(args.config), int(args.gib * GIB)
     for flavor in ("1.7B", "4B", "8B"):
-        print(f"| Qwen3-{flavor} | {cell(cfg, flavor, gpus=1, total=total)} | {cell(cfg, flavor, gpus=2, total=total)} |")
+        one, two = cell(cfg, flavor, gpus=1, total=total), cell(cfg, flavor, gpus=2, total=total)
+        print(f"| Qwen3-{flavor} | {one} | {two} |")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def test_then_offload_with_the_micro_batches_it_still_needs():
 def test_nothing_fits_is_one_line():
     with pytest.raises(ValueError, match=r"^memory: this run needs at least [\d.]+ GiB per GPU even after job\.fit "
                                          r"auto set generator\.sleep weights, trainer\.master_dtype bfloat16, "
-                                         r"trainer\.cpu_offload true.*make room with job\.fit auto") as e:
+                                         r"trainer\.cpu_offload true.*make room with "
+                                         r"generator\.gpu_memory_utilization") as e:
         _fit("8B", total=16 * GIB)
     assert "\n" not in str(e.value)
 

@@ -21,7 +21,8 @@ CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 8
 ARGS = ["--config", str(CPU_TINY), "--trainer.steps", str(STEPS), "--grpo.prompts_per_step", "8",
         "--trainer.checkpoint.enable", "--trainer.checkpoint.interval", "2"]
-TIMING = ("sync_s", "generate_s", "wait_rollouts_s", "generator_idle_s", "train_s", "step_s", "gen_tokens_per_s")
+TIMING = ("sync_s", "generate_s", "wait_rollouts_s", "generator_idle_s", "evaluation_s", "build_s", "recompute_s",
+          "train_s", "step_s", "log_s", "gen_tokens_per_s")
 """Wall-clock metrics: the only ones that differ between two runs of the same config."""
 
 

@@ -76,6 +76,7 @@ def train(cfg: JobConfig) -> list[dict]:
         from torchtitan_rl.grpo.builder import BatchBuilder
         from torchtitan_rl.grpo.eval_sets import load_eval_sets
         from torchtitan_rl.grpo.evaluate import Evaluator
+        from torchtitan_rl.run.fit import fit_this_rank
         from torchtitan_rl.run.parts import run_device, run_shape, run_task
         from torchtitan_rl.run.memory import one_line_oom
         from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
@@ -93,7 +94,10 @@ def train(cfg: JobConfig) -> list[dict]:
     check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)
-    cfg = _fit(cfg, shape, device=device)  # before the process group: trainer.cpu_offload picks its backends
+    fitted = fit_this_rank(cfg, shape, device=device)  # before the process group: cpu_offload picks its backends
+    if fitted.line and int(os.environ.get("RANK", "0")) == 0:
+        print(f"torchtitan_rl: {fitted.line}", flush=True)
+    cfg = fitted.config
     evaluator = None
     if cfg.eval.every_n_steps:  # every set file read now: a bad one stops the run before its folder exists
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
@@ -211,7 +215,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,
                 generate_s=rollouts.generate_s, wait_rollouts_s=wait_s, generator_idle_s=rollouts.idle_s,
-                eval_s=t_build - t_eval, build_s=build_s, recompute_s=batch.recompute_s, train_s=train_s,
+                evaluation_s=t_build - t_eval, build_s=build_s, recompute_s=batch.recompute_s, train_s=train_s,
                 step_s=time.perf_counter() - t_step, log_s=log_s,
             )
             t_log = time.perf_counter()
@@ -238,27 +242,6 @@ def train(cfg: JobConfig) -> list[dict]:
     finally:
         if generator is not None:
             generator.close()
-
-
-def _fit(cfg: JobConfig, shape, *, device) -> JobConfig:
-    """The config this rank runs: job.fit auto's changes (run/fit.py), the same on every rank (a function of the
-    config and the device's size); rank 0 says what auto changed and why."""
-    import torch
-
-    from torchtitan_rl.distributed.process_group import local_device
-    from torchtitan_rl.run.fit import fit
-    from torchtitan_rl.run.memory import trainer_ranks
-
-    device = local_device(device)
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    role = "colocated"
-    if cfg.weight_sync.transport == "nccl":
-        role = "generator" if rank >= trainer_ranks(cfg, world_size) else "trainer"
-    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0
-    result = fit(cfg, shape, world_size=world_size, role=role, device_total=total)
-    if result.line and rank == 0:
-        print(f"torchtitan_rl: {result.line}", flush=True)
-    return result.config
 
 
 def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> None:

@@ -51,6 +51,7 @@ pair() {  # TAG HOST_THREADS: two one-GPU runs at once (each its own compile cac
   mission "${tag}_pair1" 8 1 "" --job.host_threads "$threads"
   wait $first
   mission "${tag}_alone" 8 0 "" --job.host_threads "$threads"
+  rm -f "$OUT/mission_${tag}"_*_metrics.jsonl  # their per-step values are in the JSON: at most 8 files come back
 }
 
 for row in ${ONE_GPU_ROWS:-mission mission_again}; do

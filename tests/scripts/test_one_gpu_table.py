@@ -1,8 +1,11 @@
 """scripts/gpu/one_gpu_table.py: issue 41's section of docs/benchmarks.md from one_gpu.sh's raw result files."""
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -60,3 +63,27 @@ def test_rows_name_their_machine_and_the_rows_not_run_say_so(tmp_path):
     # Run again on its own output: the section is replaced, not added.
     subprocess.run([sys.executable, str(TABLE), "--results", str(new), "--write", str(doc)], check=True, timeout=60)
     assert doc.read_text().count("## One 80 GB GPU (cuda)") == 1
+
+
+@pytest.mark.slow  # a real CPU run of two steps: ~30 s
+def test_mission_step_times_a_real_run_and_the_table_shows_it(tmp_path):
+    """scripts/gpu/mission_step.py as one_gpu.sh runs it, on the CPU config: the start (to step 0's start, read off
+    the progress bar) and the exit after the last line come back with the loop's timers, and the table reads them."""
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gpu" / "mission_step.py"), "--name", "mission", "--steps", "2",
+         "--skip", "0", "--config", "run_configs/cpu_tiny.toml", "--out", str(out), "--env", "ONE_GPU_MACHINE=a CPU",
+         "--", "--grpo.prompts_per_step", "8"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads((out / "mission_mission.json").read_text())
+    assert got["exit"] == 0 and got["steps"] == 2 and got["last_line"].startswith("torchtitan_rl: mean reward")
+    assert 0 < got["start_s"] < got["wall_s"] and 0 <= got["exit_lag_s"] < 2.0, got
+    assert {"step_s", "build_s", "recompute_s", "evaluation_s", "log_s"} <= set(got["median"])
+    assert got["median"]["recompute_s"] <= got["median"]["build_s"] < got["median"]["step_s"]
+    subprocess.run([sys.executable, str(TABLE), "--results", str(out), "--write", str(tmp_path / "b.md")], check=True,
+                   timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    row = next(line for line in (tmp_path / "b.md").read_text().splitlines()
+               if line.startswith("| mission step, one GPU, first start"))
+    assert "| a CPU | 0 |" in row

@@ -15,7 +15,8 @@ import torch
 from torchtitan_rl import compat
 
 
-def host_threads(setting: int, *, cpus: int, local_ranks: int, host_gpus: int, environ: Mapping[str, str]) -> int | None:
+def host_threads(setting: int, *, cpus: int, local_ranks: int, host_gpus: int,
+                 environ: Mapping[str, str]) -> int | None:
     """The threads of one process; None leaves torch's and vLLM's defaults (``setting`` -1)."""
     if setting < 0:
         return None
@@ -55,13 +56,15 @@ def host_gpu_count() -> int:
 def set_host_threads(setting: int, *, device_type: str) -> int | None:
     """Apply ``host_threads`` to this process: torch's intra-op threads, OMP_NUM_THREADS (vLLM then keeps torch's
     threads at it instead of its serving default of one, and child processes such as inductor's compile workers
-    read it) and inductor's compile workers. Returns the count (None: defaults kept)."""
+    read it) and inductor's compile workers (unless TORCHINDUCTOR_COMPILE_THREADS is set). Returns the count (None:
+    defaults kept)."""
     n = host_threads(setting, cpus=usable_cpus(), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                      host_gpus=host_gpu_count() if device_type == "cuda" else 0, environ=os.environ)
     if n is None:
         return None
     os.environ["OMP_NUM_THREADS"] = str(n)
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(n)
     compat.set_num_threads(n)
-    compat.set_compile_threads(n)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # a user's own setting is kept
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(n)
+        compat.set_compile_threads(n)
     return n

@@ -25,7 +25,7 @@ def pack_rollouts(
     L = max(lengths)
     # Each row padded as a Python list, then one array per field (numpy converts lists of numbers ~10x faster than
     # torch.tensor): a tensor and a slice per row took ~0.2 s a step at 512 rows of 356 tokens (docs/benchmarks.md,
-    # "GRPO loop: host time outside generate, train and sync").
+    # "Host time of a step's batch build (cpu)").
     tokens, mask, gen = [], [], []
     for b, (p, c, lp) in enumerate(zip(prompt_ids, completion_ids, generator_logprobs)):
         assert len(c) == len(lp), "one generator logprob per completion token"

@@ -14,11 +14,20 @@ The order (README, "Which layout for my model and GPUs"), cheapest first:
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
+import torch
+
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.distributed.process_group import local_device
 from torchtitan_rl.models.shape import ModelShape
-from torchtitan_rl.run.memory import GIB, LEVERS, MemoryEstimate, estimate, micro_batch_tokens, trainer_ranks
+from torchtitan_rl.run.memory import GIB, MemoryEstimate, estimate, micro_batch_tokens, trainer_ranks
+
+BEYOND_AUTO = ("generator.gpu_memory_utilization (lower), trainer.activation_checkpoint full, "
+               "trainer.logprob_chunk_tokens (lower), or more GPUs (layout b: python -m torchtitan_rl.launch on each; "
+               "c: weight_sync.transport nccl)")
+"""What makes room beyond auto's levers, named by its refusal."""
 
 HEADROOM = 0.05
 """Share of the device auto leaves to what the estimate does not count: the CUDA context, NCCL's buffers and the
@@ -100,7 +109,7 @@ def fit(cfg: JobConfig, shape: ModelShape, *, world_size: int, role: str, device
         raise ValueError(
             f"memory: this run needs at least {g(est.peak)} GiB per GPU even after job.fit auto set {said} "
             f"(estimate: {est.summary()}), and auto leaves {HEADROOM:.0%} of the {g(device_total)} GiB free; make room "
-            f"with {LEVERS}")
+            f"with {BEYOND_AUTO}")
     line = (f"job.fit auto: {said}: the estimate's peak {g(first.peak)} GiB per GPU is above {g(budget)} of "
             f"{g(device_total)} GiB; now {g(est.peak)} (job.fit off keeps the config as written)")
     return Fit(cfg, changes, est, line)
@@ -108,3 +117,14 @@ def fit(cfg: JobConfig, shape: ModelShape, *, world_size: int, role: str, device
 
 def _value(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def fit_this_rank(cfg: JobConfig, shape: ModelShape, *, device: torch.device) -> Fit:
+    """``fit`` for this process: its role in torchrun's world (RANK, WORLD_SIZE) and its device's size."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    role = "colocated"
+    if cfg.weight_sync.transport == "nccl":
+        role = "generator" if rank >= trainer_ranks(cfg, world_size) else "trainer"
+    device = local_device(device)
+    total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0
+    return fit(cfg, shape, world_size=world_size, role=role, device_total=total)

@@ -36,8 +36,9 @@ class StepMetrics:
     wait_rollouts_s: float
     """What of sync + generate was not moving weights: the trainer waiting for its rollouts."""
     generator_idle_s: float
-    eval_s: float
-    """Held-out evaluation (0 when not due this step)."""
+    evaluation_s: float
+    """Held-out evaluation before this step's batch (0 when not due; its own line's eval_s says the same). Not
+    named eval_*: an evaluation's line is the one whose keys start so."""
     build_s: float
     """Rollouts -> this rank's batch (grpo/builder.py): scoring, advantages, packing and the logprob recompute."""
     recompute_s: float
