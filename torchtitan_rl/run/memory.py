@@ -39,7 +39,8 @@ of its intermediates at once: up to this many times its saved bytes per token (1
 debugmodel: tests/trainer/test_memory_estimate.py)."""
 LOGITS_BYTES = {False: 24, True: 8}
 """Bytes per logit of one logprob chunk at its backward's peak (trainer/logprobs.py): eager keeps bf16 logits, their
-float32 copies, softmax and its gradient at once; torch.compile (trainer.compile) fuses them into a few passes."""
+float32 copies, softmax and its gradient at once (an upper bound on CPU); torch.compile (trainer.compile, on GPUs)
+fuses them into a few passes over the bf16 logits (8: not measured, checked by the GPU rows' peaks)."""
 GRAPH_BYTES = 4 << 20
 """What one captured CUDA graph of the engine keeps besides the shared pool (vLLM 0.26; calibrated by
 scripts/gpu/one_gpu.sh's rows)."""
@@ -95,8 +96,8 @@ def activation_bytes(cfg: JobConfig, shape: ModelShape, *, rows: int, recompute:
     activation_checkpoint full each block's input; the final hidden states; one logprob chunk's logits, all of
     them with logprob_chunk_tokens 0, and the lm_head's float32 gradient; this rank's ``grads`` when earlier
     micro-batches wrote them) or late in a backward (the gradients nearly all written, one block recomputed and its
-    backward's transient). The recompute peaks in a
-    block's attention or feed-forward half, or in a logprob chunk. Both hold the unsharded embedding and lm_head.
+    backward's transient). The recompute peaks in a block's attention or feed-forward half, or in a logprob chunk.
+    Both hold the unsharded embedding and lm_head.
     """
     t = cfg.trainer
     compute = _BYTES[cfg.model.dtype]
