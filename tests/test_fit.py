@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import REPO
 from torchtitan_rl.config import load_toml
 from torchtitan_rl.models.families import resolve_shape
-from torchtitan_rl.run.fit import HEADROOM, fit, replace
+from torchtitan_rl.run.fit import HEADROOM, fit, fit_this_rank, replace
 from torchtitan_rl.run.memory import GIB, check_fits, estimate
 
 H100 = int(79.2 * GIB)
@@ -125,3 +126,17 @@ def test_the_estimate_counts_activations_and_refuses_the_4b_run_it_once_admitted
     assert est.train_peak > H100 and est.trainer_activations > 20 * GIB
     with pytest.raises(ValueError, match=r"^memory: this run needs at least \d+\.\d GiB on cuda:0"):
         check_fits(est, free=H100, device="cuda:0")
+
+
+@pytest.mark.parametrize(("transport", "rank", "role"), [
+    ("inplace", "0", "colocated"), ("server", "0", "trainer"), ("nccl", "0", "trainer"), ("nccl", "1", "generator")])
+def test_each_rank_estimates_what_its_device_holds(monkeypatch, transport, rank, role):
+    """The memory check's estimate is fit_this_rank's: a trainer whose engine is a rollout server (transport server)
+    or another rank (nccl) counts no engine on its own device; only inplace shares the device with one."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    cfg = _config("0.6B", weight_sync__transport=transport)
+    shape = resolve_shape(flavor="0.6B", hf_checkpoint=None, vocab_size=0, max_seq_len=cfg.model.max_seq_len)
+    est = fit_this_rank(cfg, shape, device=torch.device("cpu")).estimate
+    assert est.role == role
+    assert ("engine " in est.summary()) == (role != "trainer")

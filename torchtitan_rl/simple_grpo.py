@@ -118,7 +118,7 @@ def train(cfg: JobConfig) -> list[dict]:
                            timeout_s=cfg.trainer.collective_timeout_s,
                            weight_timeout_s=cfg.weight_sync.peer_timeout_s)
         if world.role == "generator":
-            _memory_check(cfg, shape, device=device, role="generator", show=True)
+            _memory_check(fitted.estimate, device=device, show=True)
             plan = agree(cfg, store=world.store, generator=True)
             with one_line_oom("the generator rank"):
                 serve(cfg, world=world, shape=shape, workdir=plan.folder)
@@ -126,7 +126,7 @@ def train(cfg: JobConfig) -> list[dict]:
     else:
         init_process_group(device, timeout_s=cfg.trainer.collective_timeout_s,  # the Trainer reuses it
                            cpu_tensors=cfg.trainer.cpu_offload)
-    _memory_check(cfg, shape, device=device, role="trainer" if world else "colocated", show=dist.get_rank() == 0)
+    _memory_check(fitted.estimate, device=device, show=dist.get_rank() == 0)
     # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
     plan = agree(cfg, store=world.store if world else None)
     out = plan.folder
@@ -244,20 +244,21 @@ def train(cfg: JobConfig) -> list[dict]:
             generator.close()
 
 
-def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> None:
-    """Print what this rank's GPU will hold; on CUDA refuse, in one line, a run whose certain part cannot fit."""
+def _memory_check(est, *, device, show: bool) -> None:
+    """Print what this rank's GPU will hold (``est``: its role's estimate, run/fit.py); on CUDA refuse, in one line,
+    a run whose certain part cannot fit."""
     import torch
 
     from torchtitan_rl.distributed.process_group import local_device
-    from torchtitan_rl.run.memory import check_fits, estimate, host_available
+    from torchtitan_rl.run.memory import check_fits, host_available
 
     device = local_device(device)
-    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (host_available(), 0)
-    est = estimate(cfg, shape, world_size=int(os.environ.get("WORLD_SIZE", "1")), device_total=total, role=role)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available()
     if show:
         print(f"torchtitan_rl: {est.summary()}", flush=True)
     # On CPU every rank of this host shares its memory.
-    check_fits(est, free=free if total else free // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device=str(device))
+    check_fits(est, free=free if est.device_total else free // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+               device=str(device))
 
 
 def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):

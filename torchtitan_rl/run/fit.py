@@ -122,9 +122,9 @@ def _value(value) -> str:
 def fit_this_rank(cfg: JobConfig, shape: ModelShape, *, device: torch.device) -> Fit:
     """``fit`` for this process: its role in torchrun's world (RANK, WORLD_SIZE) and its device's size."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    role = "colocated"
-    if cfg.weight_sync.transport == "nccl":
-        role = "generator" if rank >= trainer_ranks(cfg, world_size) else "trainer"
+    role = "colocated" if cfg.weight_sync.transport == "inplace" else "trainer"  # a server's engine is elsewhere
+    if cfg.weight_sync.transport == "nccl" and rank >= trainer_ranks(cfg, world_size):
+        role = "generator"
     device = local_device(device)
     total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 0
     return fit(cfg, shape, world_size=world_size, role=role, device_total=total)
