@@ -186,6 +186,21 @@ class MemoryEstimate:
     device_total: int
     role: str
     """colocated (trainer and engine on each GPU), trainer or generator (weight_sync.transport nccl)."""
+    kv_token_bytes: int
+    """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes)."""
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def kv_bytes(self) -> int:
+        """The engine's budget beyond its weights and CUDA graphs."""
+        return max(0, self.engine_budget - self.engine_weights - self.engine_graphs)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV-cache budget could hold (an upper bound: vLLM also keeps its forward's activations in its
+        budget; the engine's own count is printed once it is built)."""
+        return self.kv_bytes // self.kv_token_bytes
 
     @property
     def trainer_host(self) -> int:
@@ -244,9 +259,11 @@ class MemoryEstimate:
                 f"activations {g(self.trainer_activations)} (micro-batch of {self.train_tokens} tokens; recompute "
                 f"{g(self.trainer_recompute)}, {self.recompute_tokens} tokens);")
         if self.role != "trainer":
-            parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + KV cache and CUDA "
-                         f"graphs {g(self.engine_budget - self.engine_weights)}), {g(self.engine_while_training)} "
-                         "while the trainer steps;")
+            parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + CUDA graphs "
+                         f"{g(self.engine_graphs)} + KV cache {g(self.kv_bytes)}: at most {self.kv_tokens} tokens, "
+                         f"{self.kv_tokens // self.max_model_len} sequences of max_model_len {self.max_model_len} "
+                         f"beside max_num_seqs {self.max_num_seqs}), {g(self.engine_while_training)} while "
+                         "the trainer steps;")
         parts.append(f"peak {g(self.peak)} GiB (generate {g(self.generate_peak)}, recompute {g(self.score_peak)}, "
                      f"train {g(self.train_peak)})")
         if self.device_total:
@@ -290,7 +307,9 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         recompute_tokens=micro_batch_tokens(cfg, rows=rows, recompute=True),
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,
         engine_while_training=graphs if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
-        device_total=device_total, role=role,
+        device_total=device_total, role=role, max_model_len=cfg.generator.max_model_len,
+        kv_token_bytes=shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * compute,
+        max_num_seqs=cfg.generator.max_num_seqs,
     )
 
 

@@ -26,6 +26,8 @@ class StepMetrics:
     """Trainer.train_step's: loss, kl, clipping, gradient norm, entropy, ..."""
     mismatch: dict[str, float]
     importance: dict[str, float]
+    partial: dict[str, float]
+    """grpo.partial's carried and dropped samples; {} when off."""
     completion_tokens: float
     """Generated this step, dynamic sampling's refills included."""
     weight_version: int
@@ -34,15 +36,20 @@ class StepMetrics:
     sync_s: float
     generate_s: float
     wait_rollouts_s: float
-    """What of sync + generate was not moving weights: the trainer waiting for its rollouts."""
+    """What of sync + generate was not moving weights: the trainer waiting for its rollouts (trainer idle)."""
     generator_idle_s: float
+    """Seconds the generator had no batch and no sync before this step's batch (generator idle)."""
+    tail: dict[str, float]
+    """Where the step's generate went (engine/trace.py, EngineTrace.metrics): gen_tail_share, gen_batch_fill,
+    gen_preemptions, ...; {} where no Engine.generate made the batch (a rollout server, multi-turn episodes)."""
     evaluation_s: float
     """Held-out evaluation before this step's batch (0 when not due; its own line's eval_s says the same). Not
     named eval_*: an evaluation's line is the one whose keys start so."""
     build_s: float
     """Rollouts -> this rank's batch (grpo/builder.py): scoring, advantages, packing and the logprob recompute."""
     recompute_s: float
-    """The logprob recompute of pi_old (and the reference's), part of build_s."""
+    """The logprob recompute of pi_old (and the reference's), part of build_s (generator.stream_groups: the groups
+    recomputed while others still generated are in generate_s instead)."""
     train_s: float
     step_s: float
     log_s: float
@@ -54,6 +61,15 @@ class StepMetrics:
             value = getattr(self, field.name)
             flat.update(value if isinstance(value, dict) else {field.name: value})
         return flat
+
+
+TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill"})
+"""Shares of a generate's wall time (engine/trace.py): timings, though their names do not end in _s."""
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metrics.jsonl key is a timing, which two runs of one seed need not share (all else they do)."""
+    return key.endswith("_s") or key in TIMING_SHARES
 
 
 class MetricsLogger:
