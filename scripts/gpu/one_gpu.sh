@@ -14,6 +14,9 @@
 #   8B_kv_cache    Qwen3-8B layout b, sleep kv_cache, bfloat16 masters, job.fit off
 #   8B_off         Qwen3-8B layout b, no sleep, bfloat16 masters, job.fit off (the estimate may refuse it: a row too)
 #   offload        Qwen3-1.7B layout a with and without --trainer.cpu_offload true (job.fit off): its step cost
+# ONE_GPU_CONFIG (run_configs/qwen3_0.6b.toml) and ONE_GPU_ARGS (simple_grpo args added to every row) are for a
+# rehearsal on CPU with a stand-in nvidia-smi: ONE_GPU_ARGS=--dry-run checks every row's command line against the real
+# config; ONE_GPU_CONFIG=run_configs/cpu_tiny.toml runs the mission rows through the tables.
 # Rows on two GPUs need a machine of two (nvidia-h100-x2); on a card over 85 GB (an H200) every process is capped at
 # 79.2 GiB (scripts/gpu/capped.py; ONE_GPU_CAP_GIB to change, 0 for none) and the row says so.
 # Writes $OUT/mission_<row>.json + _metrics.jsonl, $OUT/sizes.jsonl (the size rows, scripts/gpu/sizes_row.py), and
@@ -28,20 +31,25 @@ cap=${ONE_GPU_CAP_GIB:-$([ "$total_mib" -gt 87000 ] && echo 79.2 || echo 0)}
 capped=(); [ "$cap" != 0 ] && capped=(--cap-gib "$cap")
 cache=/tmp/one_gpu_cache  # + the GPUs: generator.compile_cache_dir of every row (mission starts GPU 0's empty)
 machine="$gpu x$ngpu"
+config=${ONE_GPU_CONFIG:-run_configs/qwen3_0.6b.toml}
+# shellcheck disable=SC2206
+every=(${ONE_GPU_ARGS:-})
+began=$(date +%s)  # a size row gets what is left of ONE_GPU_BUDGET_S (570: one device call), none under 90 s
 echo "machine: $machine, ${total_mib} MiB a GPU, cap ${cap} GiB"
 
 mission() {  # NAME STEPS GPUS "MISSION_STEP_OPTIONS" [simple_grpo overrides...]
   local name=$1 steps=$2 gpus=$3 opts=$4; shift 4
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$gpus python3 scripts/gpu/mission_step.py --name "$name" --steps "$steps" --out "$OUT" $opts \
-    "${capped[@]}" --env "ONE_GPU_MACHINE=$machine" -- --generator.compile_cache_dir "$cache${gpus//,/}" \
-    --trainer.checkpoint.enable false "$@"
+    --config "$config" "${capped[@]}" --env "ONE_GPU_MACHINE=$machine" -- \
+    --generator.compile_cache_dir "$cache${gpus//,/}" --trainer.checkpoint.enable false "$@" "${every[@]}"
 }
 
 size() {  # TAG ROW [simple_grpo overrides...]
   local tag=$1 row=$2; shift 2
-  SIZES_TAG=$tag SIZES_ROWS=$row SIZES_ARGS="--generator.compile_cache_dir $cache $*" SIZES_STEPS=6 \
-    SIZES_BUDGET_S=${ONE_GPU_ROW_S:-560} SIZES_CAP_GIB=$([ "$cap" != 0 ] && echo "$cap") bash scripts/gpu/sizes.sh
+  SIZES_TAG=$tag SIZES_ROWS=$row SIZES_ARGS="--generator.compile_cache_dir $cache $* ${every[*]}" SIZES_STEPS=6 \
+    SIZES_CONFIG=$config SIZES_BUDGET_S=$(( ${ONE_GPU_BUDGET_S:-570} - ($(date +%s) - began) )) \
+    SIZES_CAP_GIB=$([ "$cap" != 0 ] && echo "$cap") bash scripts/gpu/sizes.sh
 }
 
 pair() {  # TAG HOST_THREADS: two one-GPU runs at once (each its own compile cache), then one alone
