@@ -62,20 +62,26 @@ def _s(value) -> str:
     return "" if value is None else f"{value:.2f}"
 
 
-def mission_table(missions: dict) -> list[str]:
-    lines = ["| row | machine | exit | step s | generate s | train s | build s (recompute s) | sync s | start s | "
-             "exit after last line s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, what in MISSION_ROWS.items():
-        r = missions.get(name)
-        if r is None:
-            lines.append(f"| {what} | not run | | | | | | | | |")
-            continue
-        m = r.get("median", {})
-        build = f"{_s(m.get('build_s'))} ({_s(m.get('recompute_s'))})" if "build_s" in m else ""
-        lines.append(f"| {what} | {_machine(r.get('env', []))} | {r['exit']} | {_s(m.get('step_s'))} | "
-                     f"{_s(m.get('generate_s'))} | {_s(m.get('train_s'))} | {build} | {_s(m.get('sync_s'))} | "
-                     f"{_s(r.get('start_s'))} | {_s(r.get('exit_lag_s'))} |")
+def _table(header: list[str], rows: dict, results: dict, cells) -> list[str]:
+    """A markdown table: one line per row (its label, then ``cells(result)``), "not run" where no result is."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key, what in rows.items():
+        r = results.get(key)
+        got = ["not run", *[""] * (len(header) - 2)] if r is None else cells(r)
+        lines.append("| " + " | ".join([what, *got]) + " |")
     return lines
+
+
+def _mission_cells(r: dict) -> list[str]:
+    m = r.get("median", {})
+    build = f"{_s(m.get('build_s'))} ({_s(m.get('recompute_s'))})" if "build_s" in m else ""
+    return [_machine(r.get("env", [])), str(r["exit"]), _s(m.get("step_s")), _s(m.get("generate_s")),
+            _s(m.get("train_s")), build, _s(m.get("sync_s")), _s(r.get("start_s")), _s(r.get("exit_lag_s"))]
+
+
+def mission_table(missions: dict) -> list[str]:
+    return _table(["row", "machine", "exit", "step s", "generate s", "train s", "build s (recompute s)", "sync s",
+                   "start s", "exit after last line s"], MISSION_ROWS, missions, _mission_cells)
 
 
 def _gpu(args: str) -> str:
@@ -85,23 +91,20 @@ def _gpu(args: str) -> str:
     return found.group(1) + (f", capped at {found.group(2)}" if found.group(2) else "")
 
 
+def _size_cells(r: dict) -> list[str]:
+    m = r.get("median", {})
+    refusal = r.get("refusal") or f"exit {r['exit_code']}"
+    fits = "yes" if r["fits"] else f"no: {refusal[:160]}"
+    fit = (r.get("fit") or "").removeprefix("torchtitan_rl: job.fit auto: ").split(": the estimate")[0] or "nothing"
+    peaks = " / ".join(f"{v / 1024:.1f}" for v in (r.get("peak_gpu_mem_mib") or {}).values() if v)
+    mfu = f"{100 * r['trainer_mfu']:.1f}%" if r.get("trainer_mfu") else ""
+    return [_gpu(r.get("args", "")), fits, fit, peaks, _s(m.get("step_s")), _s(m.get("generate_s")),
+            _s(m.get("train_s")), _s(m.get("sync_s")), mfu]
+
+
 def size_table(sizes: dict) -> list[str]:
-    lines = ["| row | machine | fits (or the refusal) | what job.fit chose | peak GiB per GPU | step s | generate s | "
-             "train s | sync s | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for key, what in SIZE_ROWS.items():
-        r = sizes.get(key)
-        if r is None:
-            lines.append(f"| {what} | not run | | | | | | | | |")
-            continue
-        m = r.get("median", {})
-        refusal = r.get("refusal") or f"exit {r['exit_code']}"
-        fits = "yes" if r["fits"] else f"no: {refusal[:160]}"
-        fit = (r.get("fit") or "").removeprefix("torchtitan_rl: job.fit auto: ").split(": the estimate")[0] or "nothing"
-        peaks = " / ".join(f"{v / 1024:.1f}" for v in (r.get("peak_gpu_mem_mib") or {}).values() if v)
-        mfu = f"{100 * r['trainer_mfu']:.1f}%" if r.get("trainer_mfu") else ""
-        lines.append(f"| {what} | {_gpu(r.get('args', ''))} | {fits} | {fit} | {peaks} | {_s(m.get('step_s'))} | "
-                     f"{_s(m.get('generate_s'))} | {_s(m.get('train_s'))} | {_s(m.get('sync_s'))} | {mfu} |")
-    return lines
+    return _table(["row", "machine", "fits (or the refusal)", "what job.fit chose", "peak GiB per GPU", "step s",
+                   "generate s", "train s", "sync s", "MFU"], SIZE_ROWS, sizes, _size_cells)
 
 
 def section(missions: dict, sizes: dict) -> str:
