@@ -185,7 +185,8 @@ class MemoryEstimate:
     """The gradients are freed after each step (generator.sleep), not kept through the next generation."""
     device_total: int
     role: str
-    """colocated (trainer and engine on each GPU), trainer or generator (weight_sync.transport nccl)."""
+    """colocated (trainer and engine on each GPU: weight_sync.transport inplace), trainer (its engine on another
+    rank, nccl, or in a rollout server, server) or generator (nccl)."""
     kv_token_bytes: int
     """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes)."""
     max_model_len: int
