@@ -5,6 +5,7 @@ The loop's steps 3-5 (score, advantages, recompute); every rank calls
 """
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -49,6 +50,8 @@ class StepBatch:
     """|trainer - generator| logprob over all ranks' tokens (NaN under truncated sampling)."""
     importance: dict[str, float]
     """Statistics of the off-policy ratio pi_old / mu over all ranks' tokens."""
+    recompute_s: float
+    """Seconds of the trainer's (and the reference's) logprob recompute in ``build``."""
 
 
 class BatchBuilder:
@@ -103,11 +106,13 @@ class BatchBuilder:
         per_rank = P * G // trainer.dp_size
         rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
+        started = time.perf_counter()
         ref_lp_BL = None
         if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch)
             trainer_lp_BL, ref_lp_BL = self._by_group(batch, rows, mask_BL)
         else:
             trainer_lp_BL = trainer.token_logprobs(tokens_BL, temperature=temperature, mask_BL=mask_BL).cpu()
+        recompute_s = time.perf_counter() - started
         mismatch = self._reduce(logprob_mismatch(trainer_lp_BL, gen_lp_BL, mask_BL), mask_BL)
         sampling = cfg.generator.sampling
         if sampling.top_p < 1 or sampling.top_k != -1:  # the generator's logprobs are the truncated distribution's
@@ -125,11 +130,14 @@ class BatchBuilder:
         )
         is_stats = self._reduce(is_stats, mask_BL)
         if self.reference is not None and not cfg.generator.stream_groups:  # the frozen initial policy of the KL term
+            started = time.perf_counter()
             ref_lp_BL = self.reference.token_logprobs(tokens_BL, temperature=temperature, mask_BL=mask_BL).cpu()
+            recompute_s += time.perf_counter() - started
         return StepBatch(
             drawn=drawn,
             train=TrainBatch(tokens_BL, mask_BL, trainer_lp_BL, advantages_B[rows], ref_lp_BL, is_weights_BL),
             rollout_stats=rollout_stats, sampling_stats=sampling_stats, mismatch=mismatch, importance=is_stats,
+            recompute_s=recompute_s,
         )
 
     def prefetch(self, groups: list[tuple[int, object]]) -> None:
