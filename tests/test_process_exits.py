@@ -243,3 +243,75 @@ def test_a_user_error_rank_0_finds_ends_the_other_ranks_quietly(tmp_path):
         stderr[-3000:]
     assert not out.exists()  # no error_rank1.txt with a SystemExit traceback
     assert proc.returncode == 2
+
+
+SLOW_IMPORT = '''
+import os, sys, time
+
+
+class _SlowImport:
+    """Holds the import of one module (SLOW_IMPORT) for a minute, after leaving a file in SLOW_IMPORT_MARKS: a
+    signal sent then lands while the process imports, as a Ctrl-C during torch's seconds-long import does."""
+
+    def find_spec(self, name, path=None, target=None):
+        ranks_only = os.environ.get("SLOW_IMPORT_RANKS_ONLY") and "TORCHELASTIC_RUN_ID" not in os.environ
+        if name == os.environ.get("SLOW_IMPORT") and not ranks_only:
+            open(os.path.join(os.environ["SLOW_IMPORT_MARKS"], str(os.getpid())), "w").close()
+            time.sleep(60)
+        return None
+
+
+sys.meta_path.insert(0, _SlowImport())
+'''
+
+
+def _interrupted_while_importing(tmp_path: Path, module: str, cmd: list[str], *, marks: int = 1,
+                                 ranks_only: bool = False) -> tuple[int, str]:
+    """Start ``cmd`` with ``module``'s import held (a sitecustomize on its path), SIGINT its process group (a Ctrl-C)
+    once ``marks`` processes are inside that import; (exit code, stderr)."""
+    site, marks_dir = tmp_path / "site", tmp_path / "marks"
+    site.mkdir()
+    marks_dir.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_IMPORT)
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "SLOW_IMPORT": module,
+           "SLOW_IMPORT_MARKS": str(marks_dir)}
+    if ranks_only:
+        env["SLOW_IMPORT_RANKS_ONLY"] = "1"
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    with _reaped(proc):
+        deadline = time.monotonic() + 120
+        while len(list(marks_dir.iterdir())) < marks:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    return proc.returncode, stderr
+
+
+def test_ctrl_c_while_the_launcher_imports_torch_is_one_line_exit_130(tmp_path):
+    code, stderr = _interrupted_while_importing(tmp_path, "torch", [
+        sys.executable, "-m", "torchtitan_rl.launch", "--nproc-per-node", "2", "-m", "torchtitan_rl.simple_grpo",
+        "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path / "out")])
+    assert stderr == "torchtitan_rl: interrupted (SIGINT)\n", stderr[-3000:]
+    assert code == 130
+
+
+def test_ctrl_c_while_the_ranks_import_torch_is_one_line_exit_130(tmp_path):
+    """The launcher runs (torchrun's agent), its two ranks are still importing torch: no rank's traceback, and the
+    launcher's line."""
+    code, stderr = _interrupted_while_importing(tmp_path, "torch", [
+        sys.executable, "-m", "torchtitan_rl.launch", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path / "out")],
+        marks=2, ranks_only=True)
+    assert _our_lines(stderr) == ["torchtitan_rl: interrupted (SIGINT)"], stderr[-3000:]
+    assert code == 130
+
+
+@pytest.mark.parametrize("module", ["tyro", "torch"])  # parsing the command line; train()'s first import
+def test_ctrl_c_while_a_single_process_run_imports_is_one_line_exit_130(tmp_path, module):
+    code, stderr = _interrupted_while_importing(tmp_path, module, [
+        sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY),
+        "--job.output_dir", str(tmp_path / "out")])
+    assert stderr == "torchtitan_rl: interrupted (SIGINT)\n", stderr[-3000:]
+    assert code == 130
