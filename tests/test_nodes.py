@@ -230,7 +230,14 @@ def test_a_fault_on_one_machine_ends_the_job_on_both_with_one_line_each(tmp_path
     lines = [_our_lines(stderr) for _, stderr in ended]
     print(f"{fault}: every rank ended {ended_s:.1f} s after the fault; node 0 {lines[0]}; node 1 {lines[1]}")
     for node, (code, stderr) in enumerate(ended):
-        assert len(lines[node]) == 1, f"node {node}: {stderr[-3000:]}"
+        assert len(lines[node]) == 1 and lines[node][0].startswith("torchtitan_rl: "), f"node {node}: {stderr[-3000:]}"
+    rank1 = next(r for r, v in found.items() if v["launcher"] == 1)
+    if fault == "kill_rank_on_node_1":  # its launcher says it; node 0's rank lost its peer
+        assert lines[1][0].startswith(f"torchtitan_rl: rank {rank1} (pid {node1['pid']}) was killed by SIGKILL")
+    elif fault == "kill_launcher_of_node_1":  # nobody else would stop its rank: it notices and says it
+        assert lines[1][0].startswith(f"torchtitan_rl: rank {rank1}'s launcher (pid {procs[1].pid}) died")
+    else:  # node 0's launcher got the signal; node 1 says the job's line, or that node 0's launcher is gone
+        assert lines[0][0] == "torchtitan_rl: interrupted (SIGINT)", lines[0]
     assert all(code != 0 for code, _ in ended)
 
 

@@ -37,7 +37,11 @@ if _QUIET_CPP:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
 from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
-from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
+from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+)
 from torch.distributed.run import parse_args, run  # noqa: E402
 
 if _QUIET_CPP:
@@ -83,11 +87,20 @@ def _launch(argv: list[str] | None, node: Path) -> int:
     except ChildFailedError as e:
         return _ended(e, node)
     except RendezvousError as e:
-        endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
-        _node_line(node, f"\ntorchtitan_rl: the rendezvous at {endpoint} failed ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else 'no detail'}): the launcher that held it ended "
-                         "or died, or another machine's never came (docs/cluster.md); this machine's ranks stopped")
+        _node_line(node, _rendezvous_failed(e, args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"))
         return 1
+
+
+def _rendezvous_failed(error: RendezvousError, endpoint: str) -> str:
+    """One line for a rendezvous that failed, at the start or while the ranks run."""
+    if isinstance(error, RendezvousConnectionError):
+        what = "lost the connection to the job's rendezvous store: the machine whose launcher held it ended or died"
+    elif isinstance(error, RendezvousClosedError):
+        what = "the job's rendezvous is closed: another machine's launcher ended the job"
+    else:  # a timeout (a machine never came) or another error: torchrun's message says which
+        what = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
+    return (f"torchtitan_rl: rendezvous at {endpoint}: {what}; this machine's ranks stopped (every machine runs "
+            "the same --rdzv-endpoint and --nnodes: docs/cluster.md)")
 
 
 def _node_line(node: Path, own: str | None) -> None:
@@ -98,7 +111,7 @@ def _node_line(node: Path, own: str | None) -> None:
     try:
         line = (node / "line").read_text()
     except OSError:
-        line = own
+        line = own and ("\n" if (node / "open").exists() else "") + own
     if line:
         sys.stdout.flush()
         print(line, file=sys.stderr, flush=True)
@@ -117,7 +130,7 @@ def _ended(error: ChildFailedError, node: Path) -> int:
     rank, first = failures[0]
     how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
-    # After a newline: the killed rank may have left its progress bar's line open.
+    # After a newline: the killed rank may have left its progress bar's line open, and cannot say so.
     _node_line(node, f"\n{SAID} rank {rank} (pid {first.pid}) {how} before it could say why "
                      "(killed from outside, out of memory, or a crash in native code); every rank stopped")
     return 128 - first.exitcode if first.exitcode < 0 else first.exitcode

@@ -18,9 +18,9 @@ from tqdm import tqdm
 _KEY = "torchtitan_rl/exit"
 """Store keys of the exit protocol: the first failure's line, every rank's host and pid."""
 NODE_DIR = "TORCHTITAN_RL_NODE_DIR"
-"""Environment variable launch.py gives its ranks: a folder where they tell it the job's line (``said``: a rank of
-this node printed it; ``line``: the job's line as a rank of this node learnt it from another node), so that every
-node's log ends with one line."""
+"""Environment variable launch.py gives its ranks: a folder where they tell it about the job's line (``said``: a rank
+of this machine printed it; ``line``: the job's line as a rank learnt it from another machine; ``open``: a rank's
+progress bar may have left the last line open), so that every machine's log ends with one line."""
 ORPHAN_CHECK_S = 1.0
 """How often a torchrun rank checks that its launcher (torchrun's agent) still lives."""
 
@@ -30,6 +30,8 @@ PEER_DEATH_WAIT_S = 2.0
 
 _ENDING = threading.Lock()
 """Held by the thread that ends the process: an exception and torchrun's SIGTERM can end it at once from two threads."""
+_MUTING = threading.Lock()
+"""Held while file descriptor 2 points at /dev/null (_native_stderr_muted)."""
 
 
 def say(line: str) -> None:
@@ -69,6 +71,23 @@ def one_line_errors():
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+@contextmanager
+def _native_stderr_muted():
+    """torch's store client logs each call that fails as a C++ warning with a native stack, straight to file
+    descriptor 2; an ending job may have lost its store (the machine whose launcher held it ended), and what that
+    means is this rank's line."""
+    with _MUTING:
+        sys.stderr.flush()
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -143,8 +162,10 @@ class RankExits:
         dead = None
         if not isinstance(error, ValueError):  # a user error is this rank's own; anything else may be a lost peer's
             # A peer's sockets close before it shows as gone or a zombie; on a loaded host that takes a second.
+            # Another rank's line in the store already says why (a peer on another machine, whose pid no rank here
+            # can check): no need to wait.
             deadline = time.monotonic() + PEER_DEATH_WAIT_S
-            while (dead := self.dead_peer()) is None and time.monotonic() < deadline:
+            while (dead := self.dead_peer()) is None and not self._said() and time.monotonic() < deadline:
                 time.sleep(0.1)
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         if isinstance(error, ValueError):
@@ -175,9 +196,9 @@ class RankExits:
         try:
             for r in range(self.world_size):
                 key = f"{self.prefix}/pid/{r}"
-                if r == self.rank or not self.store.check([key]):
+                if r == self.rank or not self._ask("check", [key]):
                     continue
-                value = self.store.get(key).decode()
+                value = self._ask("get", key).decode()
                 if value == "done":
                     continue
                 peer_host, pid = value.split()
@@ -186,6 +207,18 @@ class RankExits:
         except Exception:  # noqa: BLE001  torchrun's store is gone: it is tearing the job down itself
             return None
         return None
+
+    def _said(self) -> bool:
+        """Whether a rank put the job's line in the store."""
+        try:
+            return self.store is not None and self._ask("check", [f"{self.prefix}/first"])
+        except Exception:  # noqa: BLE001  the store is gone
+            return False
+
+    def _ask(self, op: str, *args):
+        """One call of the job's store, its C++ warning muted if the store is gone (the exception is raised)."""
+        with _native_stderr_muted():
+            return getattr(self.store, op)(*args)
 
     def end(self, line: str, code: int, *, forwarded: bool = False) -> None:
         """Print ``line`` unless another rank's failure came first, then exit without waiting for anyone.
@@ -204,7 +237,7 @@ class RankExits:
         first = mine
         if self.store is not None:
             try:
-                first = json.loads(self.store.compare_set(f"{self.prefix}/first", "", json.dumps(mine)))
+                first = json.loads(self._ask("compare_set", f"{self.prefix}/first", "", json.dumps(mine)))
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
         if first == mine and not (forwarded and os.environ.get(NODE_DIR)):
@@ -233,8 +266,8 @@ class RankExits:
             return
         key = f"{self.prefix}/first"
         try:
-            self.store.wait([key], timedelta(seconds=PEER_DEATH_WAIT_S))
-            first = json.loads(self.store.get(key))
+            self._ask("wait", [key], timedelta(seconds=PEER_DEATH_WAIT_S))
+            first = json.loads(self._ask("get", key))
         except Exception:  # noqa: BLE001  not said within the wait, or the store is gone: the launcher says what it saw
             return
         self._echo(first)
@@ -242,8 +275,11 @@ class RankExits:
     def _echo(self, first: dict) -> None:
         """Tell launch.py the job's line, which it prints unless a rank of its node did; not a signal that this node's
         launcher got (or sent, having lost the rendezvous): it says what it saw."""
+        start = self._line_start()
         if first["node"] != self.node or not first["signal"]:
-            _tell_launcher("line", self._line_start() + first["line"])
+            _tell_launcher("line", start + first["line"])
+        elif start:
+            _tell_launcher("open", "")  # the launcher's own line starts with a newline
 
 
 def _alive(pid: int) -> bool:
