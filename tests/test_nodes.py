@@ -246,7 +246,7 @@ def test_checkpoints_across_machines_without_a_shared_file_system_are_refused_in
     machines end at start with the same line (node 0's rank says it, node 1's launcher echoes it), and the empty run
     folder is gone."""
     out = tmp_path / "out"
-    with _two_nodes(out, 1, "--trainer.checkpoint.enable", private=True) as (procs, _):
+    with _two_nodes(out, 1, "--trainer.steps", "3", "--trainer.checkpoint.enable", private=True) as (procs, _):
         ended = _finish(procs)
     lines = [_our_lines(stderr) for _, stderr in ended]
     print(lines)
