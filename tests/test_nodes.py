@@ -11,6 +11,7 @@ machine's launcher, Ctrl-C of a machine's launcher).
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -241,6 +242,7 @@ def test_a_fault_on_one_machine_ends_the_job_on_both_with_one_line_each(tmp_path
     assert all(code != 0 for code, _ in ended)
 
 
+@pytest.mark.slow  # two launchers' start-up (imports, rendezvous): ~30-45 s on 2 cores
 def test_checkpoints_across_machines_without_a_shared_file_system_are_refused_in_one_line(tmp_path):
     """Node 1 sees a private tmpfs at job.output_dir: DCP would write its shards where rank 0 never reads them. Both
     machines end at start with the same line (node 0's rank says it, node 1's launcher echoes it), and the empty run
@@ -249,7 +251,6 @@ def test_checkpoints_across_machines_without_a_shared_file_system_are_refused_in
     with _two_nodes(out, 1, "--trainer.steps", "3", "--trainer.checkpoint.enable", private=True) as (procs, _):
         ended = _finish(procs)
     lines = [_our_lines(stderr) for _, stderr in ended]
-    print(lines)
     for node_lines, (code, stderr) in zip(lines, ended):
         assert len(node_lines) == 1, stderr[-3000:]
         assert "trainer.checkpoint.enable: every trainer rank writes its shards" in node_lines[0], node_lines[0]
@@ -257,3 +258,43 @@ def test_checkpoints_across_machines_without_a_shared_file_system_are_refused_in
         assert code == 2
     assert lines[0] == lines[1]
     assert list(out.iterdir()) == []  # node 0's view: no run-1 left behind
+
+
+def _alone(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
+    """Machine 0's launcher of a two-machine job whose machine 1 never comes."""
+    cmd = _node_cmd(0, port, 1, tmp_path / "out")
+    cmd[cmd.index("--nproc-per-node"):cmd.index("--nproc-per-node")] = list(extra)
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_a_machine_that_never_comes_ends_the_rendezvous_in_one_line(tmp_path):
+    proc = _alone(tmp_path, free_port(), "--rdzv-conf", "join_timeout=3")
+    _, stderr = proc.communicate(timeout=300)
+    assert _our_lines(stderr) == [f"torchtitan_rl: rendezvous at {proc.args[proc.args.index('--rdzv-endpoint') + 1]}: "
+                                  "not every machine came within torchrun's join timeout (--rdzv-conf "
+                                  "join_timeout=SECONDS, default 600); this machine's ranks stopped (every machine "
+                                  "runs the same --rdzv-endpoint and --nnodes: docs/cluster.md)"], stderr[-3000:]
+    assert proc.returncode == 1
+
+
+def test_ctrl_c_while_waiting_for_the_other_machine_is_one_line_exit_130(tmp_path):
+    port = free_port()
+    proc = _alone(tmp_path, port)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the launcher holds the rendezvous store: it waits for machine 1
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert _our_lines(stderr) == ["torchtitan_rl: interrupted (SIGINT)"], stderr[-3000:]
+    assert proc.returncode == 130

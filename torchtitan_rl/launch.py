@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousError,
+    RendezvousTimeoutError,
 )
 from torch.distributed.run import parse_args, run  # noqa: E402
 
@@ -74,21 +75,26 @@ def _raise_signal(signum, frame) -> None:
 
 def _launch(argv: list[str] | None, node: Path) -> int:
     """Run torchrun's agent; the exit code, after this machine's line."""
+    args = parse_args(argv)
+    # The agent logs each worker it stops and each failure as WARNING/ERROR lines; the ranks' line says it. Its
+    # modules' loggers carry their own level (torch.distributed.elastic.utils.logging): each is set, not the parent.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    os.environ[NODE_DIR] = str(node)  # the ranks inherit it: torchrun passes its environment on
     try:
-        args = parse_args(argv)
-        # The agent logs each worker it stops and each failure as WARNING/ERROR lines; the ranks' line says it.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        os.environ[NODE_DIR] = str(node)  # the ranks inherit it: torchrun passes its environment on
         run(args)
         return 0
-    except SignalException as e:  # the ranks got the signal from the agent and stopped; the launcher says it
-        _node_line(node, f"torchtitan_rl: interrupted ({e.sigval.name})")
-        return 128 + int(e.sigval)
-    except ChildFailedError as e:
-        return _ended(e, node)
-    except RendezvousError as e:
-        _node_line(node, _rendezvous_failed(e, args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"))
-        return 1
+    except (SignalException, ChildFailedError, RendezvousError) as e:
+        error = e
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the agent has stopped every rank: a second Ctrl-C changes nothing
+        signal.signal(signum, signal.SIG_IGN)
+    if isinstance(error, SignalException):  # the ranks got the signal from the agent and stopped; the launcher says it
+        _node_line(node, f"torchtitan_rl: interrupted ({error.sigval.name})")
+        return 128 + int(error.sigval)
+    if isinstance(error, ChildFailedError):
+        return _ended(error, node)
+    _node_line(node, _rendezvous_failed(error, args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"))
+    return 1
 
 
 def _rendezvous_failed(error: RendezvousError, endpoint: str) -> str:
@@ -97,7 +103,10 @@ def _rendezvous_failed(error: RendezvousError, endpoint: str) -> str:
         what = "lost the connection to the job's rendezvous store: the machine whose launcher held it ended or died"
     elif isinstance(error, RendezvousClosedError):
         what = "the job's rendezvous is closed: another machine's launcher ended the job"
-    else:  # a timeout (a machine never came) or another error: torchrun's message says which
+    elif isinstance(error, RendezvousTimeoutError):
+        what = ("not every machine came within torchrun's join timeout (--rdzv-conf join_timeout=SECONDS, "
+                "default 600)")
+    else:  # torchrun's message says what
         what = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}"
     return (f"torchtitan_rl: rendezvous at {endpoint}: {what}; this machine's ranks stopped (every machine runs "
             "the same --rdzv-endpoint and --nnodes: docs/cluster.md)")

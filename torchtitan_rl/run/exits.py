@@ -241,7 +241,8 @@ class RankExits:
             except Exception:  # noqa: BLE001  the store is gone: say it anyway
                 pass
         if first == mine and not (forwarded and os.environ.get(NODE_DIR)):
-            say(self._line_start() + line)
+            with _MUTING:  # not into /dev/null: another thread may be asking the store
+                say(self._line_start() + line)
         else:
             self._echo(first)
         error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")

@@ -11,6 +11,7 @@ import pickle
 import secrets
 import shutil
 import socket
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,6 +37,8 @@ FIXED = {
 """Fields a resume refuses to change, and what they fixed; every other field may change and takes effect."""
 FIXED_WITH_QUEUED = ("grpo.prompts_per_step", "grpo.group_size", "generator.sampling.")
 """Also fixed when the run had grpo.max_staleness > 0: its checkpoint holds rollouts drawn with them."""
+SHARED_WAIT_S = 3.0
+"""How long a rank on another machine looks for the file rank 0 just wrote (a network file system's caches)."""
 
 
 def plan_run(cfg: JobConfig, *, say=print) -> RunPlan:
@@ -155,11 +158,15 @@ def check_shared(cfg: JobConfig, plan: RunPlan) -> None:
     dist.broadcast_object_list(probe, src=0)
     if probe[0] is None:
         return
-    path = plan.folder / probe[0]
-    try:
-        sees = path.read_text() == probe[0]
-    except OSError:
-        sees = False
+    path, deadline = plan.folder / probe[0], time.monotonic() + SHARED_WAIT_S
+    while True:
+        try:
+            sees = path.read_text() == probe[0]
+        except OSError:
+            sees = False
+        if sees or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
     seen = [None] * world
     dist.all_gather_object(seen, sees)
     blind = [r for r in range(world) if not seen[r]]
