@@ -41,7 +41,7 @@ def _namespaces() -> bool:
     return subprocess.run(["unshare", "--uts", "--mount", "true"], capture_output=True).returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _namespaces(), reason="needs unshare (CAP_SYS_ADMIN) for a second 'host'")
+needs_namespaces = pytest.mark.skipif(not _namespaces(), reason="needs unshare (CAP_SYS_ADMIN) for a second 'host'")
 
 
 def _node_cmd(k: int, port: int, nproc: int, out: Path, *extra: str, private: bool = False) -> list[str]:
@@ -139,6 +139,7 @@ def test_a_rank_takes_its_gpu_from_local_rank_not_rank(monkeypatch):
         run_device("cuda")
 
 
+@needs_namespaces
 @pytest.mark.slow  # two launchers, two engines: ~1 min on 2 cores
 def test_colocated_on_two_machines_writes_one_run_folder_and_one_checkpoint(tmp_path):
     """Every rank trains and generates, one on each machine; rank 0 (node 0) alone writes the run folder, `latest`,
@@ -165,6 +166,7 @@ def test_colocated_on_two_machines_writes_one_run_folder_and_one_checkpoint(tmp_
     assert not list(out.glob("error_rank*"))
 
 
+@needs_namespaces
 @pytest.mark.slow  # four processes, two engines: ~1-2 min on 2 cores
 def test_generator_replicas_on_the_second_machine_over_the_nccl_transport(tmp_path):
     """Two trainer ranks on one machine, the two generator replicas (the last ranks) on the other; the weights cross
@@ -182,6 +184,7 @@ def test_generator_replicas_on_the_second_machine_over_the_nccl_transport(tmp_pa
     assert len(steps) == 3 and '"weight_version": 2' in steps[-1]
 
 
+@needs_namespaces
 @pytest.mark.slow  # a server and two launchers: ~1 min on 2 cores
 def test_a_trainer_on_two_machines_trains_through_a_rollout_server(tmp_path):
     """The rollout server in its own process, the trainer's two ranks on two machines (FSDP across them); trainer
@@ -209,6 +212,7 @@ def test_a_trainer_on_two_machines_trains_through_a_rollout_server(tmp_path):
     assert "sync -> version 2" in (tmp_path / "server.log").read_text()
 
 
+@needs_namespaces
 @pytest.mark.slow  # two launchers, two engines, then the fault: ~1 min on 2 cores
 @pytest.mark.parametrize("fault", ["kill_rank_on_node_1", "kill_launcher_of_node_1", "ctrl_c_on_node_0"])
 def test_a_fault_on_one_machine_ends_the_job_on_both_with_one_line_each(tmp_path, fault):
@@ -242,6 +246,7 @@ def test_a_fault_on_one_machine_ends_the_job_on_both_with_one_line_each(tmp_path
     assert all(code != 0 for code, _ in ended)
 
 
+@needs_namespaces
 @pytest.mark.slow  # two launchers' start-up (imports, rendezvous): ~30-45 s on 2 cores
 def test_checkpoints_across_machines_without_a_shared_file_system_are_refused_in_one_line(tmp_path):
     """Node 1 sees a private tmpfs at job.output_dir: DCP would write its shards where rank 0 never reads them. Both
