@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, run_cli
+from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, not_timings, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 from torchtitan_rl.rollout.base import Rollouts
@@ -119,6 +119,46 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == list(range(6))
 
 
+def _partial_config(output_dir: Path, *, steps: int) -> JobConfig:
+    """cpu_tiny with partial rollouts: 8 groups over-sampled, a generate stops once 32 are finished."""
+    cfg = _config(output_dir, steps=steps)
+    cfg.grpo.partial.enable, cfg.grpo.partial.over_sample = True, 8
+    cfg.grpo.importance_correction = "truncate"
+    cfg.trainer.checkpoint.enable, cfg.trainer.checkpoint.interval = True, 3
+    return cfg
+
+
+def _not_timings(history: list[dict]) -> list[dict]:
+    return [not_timings(r) for r in history]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_from_unfinished_samples_gives_the_uninterrupted_run(tmp_path):
+    a = train(_partial_config(tmp_path / "a", steps=6))
+    # Samples were cut and carried, and tokens of the version before trained.
+    assert all(r["partial_carried_samples"] > 0 for r in a) and all(r["version_age_1_frac"] > 0 for r in a[1:])
+    assert [r["weight_version"] for r in a] == list(range(6)) and max(r["version_age_max"] for r in a) == 1
+
+    train(_partial_config(tmp_path / "b", steps=3))
+    saved = dcp_extra(tmp_path / "b" / "latest" / "checkpoints" / "step-3")
+    assert any(f is False for g in saved["partial"]["groups"] for f in g.so_far.finished)  # unfinished samples
+    second = _partial_config(tmp_path / "b", steps=6)
+    second.resume = True
+    b = train(second)
+    # Every metric of the resumed steps, bit for bit: the carried samples continued as they would have.
+    assert _not_timings(b) == _not_timings(a[3:])
+    # The same seed and layout give the same samples (here: the first three steps of two runs).
+    c = train(_partial_config(tmp_path / "c", steps=3))
+    assert _not_timings(c) == _not_timings(a[:3])
+
+
+def dcp_extra(checkpoint: Path) -> dict:
+    """The ``extra`` a checkpoint saved (the rollout queue's state), read as trainer/checkpoint.py's load does."""
+    head = {"trainer": b""}
+    dcp.load(head, checkpoint_id=checkpoint)
+    return pickle.loads(head["trainer"])["extra"]
+
+
 def test_resume_refuses_queued_rollouts_older_than_the_staleness_bound():
     # A checkpoint of a max_staleness 1 run holds step 5's rollouts, sampled with version 4.
     queued = [(5, [], Rollouts([[1]], [[2]], [[-0.5]], weight_version=4))]
@@ -138,6 +178,23 @@ def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
     history = train(cfg)
     assert [r["mismatch_frac_tokens"] for r in history] == [0.0, 0.0, 0.0]
     assert all(r["mismatch_max"] == 0.0 for r in history)
+    assert all(0 <= r["gen_tail_share"] <= 1 and r["gen_iterations"] >= 4 for r in history)  # every run logs it
+
+
+def test_harness_run_with_drawn_lengths_logs_their_tail(tmp_path):
+    cfg = _config(tmp_path, steps=2)
+    cfg.grpo.task_without_checkpoint = "digits"  # the timing harness: random weights, no checkpoint
+    cfg.grpo.harness_lengths.distribution = "lognormal"
+    cfg.grpo.harness_lengths.median, cfg.grpo.harness_lengths.p90 = 6, 24
+    cfg.generator.sampling.max_tokens = 48
+    cfg.grpo.prompts_per_step = 8
+    validate(cfg)
+    history = train(cfg)
+    for r in history:
+        # 64 samples of median 6: the few long ones decode alone through most of the generate's steps
+        assert r["response_length_max"] >= 24 and 4 <= r["response_length_mean"] <= 16
+        assert r["gen_iterations"] >= r["response_length_max"] and r["gen_tail_share"] > 0.3
+        assert r["gen_batch_fill"] < 0.5 and r["gen_preemptions"] == 0
 
 
 # ------------------------------------------- tasks on a real tokenizer, held-out evaluation

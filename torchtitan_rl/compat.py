@@ -44,6 +44,29 @@ def batches_in_flight(engine) -> bool:
     return bool(engine.engine_core.engine_core.batch_queue)
 
 
+def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
+    """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
+    {request id: preemptions so far} of the waiting ones that were preempted). A preempted request goes back
+    to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays there at
+    least until the next step, so
+    reading after every step sees every preemption, and the scan stops at the first never-preempted request
+    (EngineCore.scheduler, Scheduler.running/.waiting, Request.num_preemptions: vLLM 0.26 and 0.32)."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempted = {}
+    for request in scheduler.waiting:
+        if not request.num_preemptions:
+            break
+        preempted[request.request_id] = request.num_preemptions
+    return len(scheduler.running), len(scheduler.waiting), preempted
+
+
+def kv_cache_tokens(engine) -> int:
+    """Tokens the KV cache of an in-process ``LLMEngine`` holds (vLLM logs it as "KV cache size"): its scheduler's
+    block pool (read on vLLM 0.26 by scripts/gpu/gen_drift.py, and 0.32) times the block size."""
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks * engine.vllm_config.cache_config.block_size
+
+
 def compilable(model_cls: type, *, enable_if) -> type:
     """A subclass of ``model_cls`` that vLLM torch.compiles (its ``support_torch_compile``, the decorator of
     its own models) when ``enable_if(vllm_config)``; otherwise it runs ``model_cls``'s forward as is."""
@@ -224,3 +247,30 @@ def wake_engine(engine, tags: list[str]) -> None:
     the engine's memory again with cuMemCreate, which cannot use them."""
     torch.cuda.empty_cache()  # a no-op where CUDA never started
     engine.wake_up(tags=tags)
+
+
+def unfinished_outputs(engine) -> dict[str, tuple[list[int], list[float]]]:
+    """Tokens and sampled-token logprobs so far of every request an in-process ``LLMEngine`` has not finished, by
+    the id it was added under: its output processor's per-request state (``RequestState.detokenizer
+    .output_token_ids``, ``.logprobs_processor.logprobs``, flat logprobs; vLLM 0.26 and 0.32; 0.32 keys the states
+    by an internal id and keeps ours as ``external_req_id``). Read between two engine steps; LLMEngine reports
+    nothing for a request it aborts, so partial rollouts read this first."""
+    out = {}
+    for state in engine.output_processor.request_states.values():
+        ids = list(state.detokenizer.output_token_ids)
+        logprobs = state.logprobs_processor.logprobs
+        assert list(logprobs.token_ids) == ids, "expected the sampled token's logprob only"
+        out[getattr(state, "external_req_id", None) or state.request_id] = (ids, list(logprobs.logprobs))
+    return out
+
+
+def unfinished_counts(engine) -> dict[str, int]:
+    """How many tokens each request ``unfinished_outputs`` would list has so far (nothing copied)."""
+    return {getattr(state, "external_req_id", None) or state.request_id: len(state.detokenizer.output_token_ids)
+            for state in engine.output_processor.request_states.values()}
+
+
+def abort_requests(engine, request_ids: list[str]) -> None:
+    """Drop these requests of an in-process ``LLMEngine`` (their KV blocks freed; a batch in flight that holds
+    them is still collected by the next step, which reports nothing for them)."""
+    engine.abort_request(list(request_ids))

@@ -185,7 +185,7 @@ class TrainerConfig:
     activation_checkpoint: Literal["none", "full"] = "none"
     """full: keep only each block's input and recompute the block in backward (memory for ~1/3 more compute)."""
     cpu_offload: bool = False
-    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace only."""
+    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace, on CUDA only (a CPU run's state is in host memory already)."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trainer's parameters, gradients and AdamW state (torchtitan's training.dtype): float32 masters (16 bytes a parameter) or bfloat16 throughout (8; updates below bf16's resolution of a weight are lost)."""
     max_grad_norm: float = 1.0
@@ -250,6 +250,10 @@ class GeneratorConfig:
     """How long a generate call waits for the first sync; 0 raises at once."""
     sleep: Literal["off", "kv_cache", "weights"] = "off"
     """weight_sync.transport inplace, CUDA: free the engine's device memory while the trainer steps (vLLM sleep mode); the next sync wakes it. kv_cache: level 1 (KV cache dropped, weights parked in host memory); weights: level 2 (both dropped: the next sync rewrites and verifies every tensor, nothing is served before). vLLM has no sleep mode on CPU."""
+    inflight_updates: bool = False
+    """weight_sync.transport nccl: a sync lands between two engine iterations of the generate in progress (PipelineRL's in-flight weight updates): running samples are not stopped, the next iteration computes with the new weights, and each token records the version it was sampled with; requests made after a sync never reuse KV blocks computed under older weights (vLLM's cache_salt, set to the version). Needs generator.async_scheduling false: vLLM then runs no iteration between two engine steps."""
+    stream_groups: bool = False
+    """weight_sync.transport nccl: each replica posts a group as soon as its samples finish, and the trainer recomputes pi_old of the finished groups (one group at a time, split over its ranks) while the rest are still generated, instead of all of them after the slowest. Single-turn tasks."""
     colocated_ranks: Literal["all", "first"] = "all"
     """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -267,11 +271,50 @@ class GeneratorConfig:
 
 
 @dataclass(kw_only=True)
+class HarnessLengthsConfig:
+    """Response lengths of the timing harness: seeded random weights (grpo.task_without_checkpoint, no
+    model.hf_checkpoint) almost never emit eos, so the harness sets each sample's length itself."""
+
+    distribution: Literal["fixed", "lognormal"] = "fixed"
+    """fixed: every sample runs to generator.sampling.max_tokens; lognormal: each sample's length is drawn from a log-normal with this median and p90, capped at generator.sampling.max_tokens, seeded by the request, the prompt's index and the sample's (the same samples in every layout), and the sample runs to exactly that length, eos ignored (engine/lengths.py; the default's sources: docs/design.md, "The long tail"). Ignored with model.hf_checkpoint: real weights stop where they stop."""
+    median: int = 1500
+    """lognormal: median response length in tokens."""
+    p90: int = 5000
+    """lognormal: 90th-percentile response length in tokens (> median); sets the spread."""
+
+    def check(self, path: str) -> None:
+        positive(self, path, "median", "p90")
+        if self.distribution == "lognormal" and self.p90 <= self.median:
+            raise ValueError(f"{path}.p90: must exceed {path}.median ({self.median}), got {self.p90}")
+
+
+@dataclass(kw_only=True)
+class PartialRolloutConfig:
+    """Partial rollouts (docs/design.md, "Partial rollouts and in-flight updates"): a generate stops before its
+    slowest samples, which continue in a later step's generate under newer weights."""
+
+    enable: bool = False
+    """A generate stops once grpo.prompts_per_step of its groups are finished; the unfinished samples are kept (tokens and generator logprobs so far) and continue in the next generate, resubmitted as prompt + completion so far under the weights of then; every token records the weight version it was sampled with. Single-turn tasks; not with dynamic sampling or the rollout server."""
+    over_sample: int = 0
+    """Groups in flight beyond grpo.prompts_per_step (slime's over-sampling): each generate holds the carried groups plus new ones up to prompts_per_step + over_sample, and stops when prompts_per_step are finished (the oldest finished ones train)."""
+    token_budget: int = 0
+    """Generated tokens a generate spends before it stops, but never before the step's groups are finished; 0: stop as soon as they are."""
+    max_token_age: int = 1
+    """Most weight versions a trained token may be behind the step that trains it (AReaL's max_head_offpolicyness); a carried group that a later step would train past it is run to its end in this step's generate instead of being cut again. At least 2 x grpo.max_staleness + 1: the age of a carried token at its earliest next step."""
+
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "over_sample", "token_budget")
+        positive(self, path, "max_token_age")
+
+
+@dataclass(kw_only=True)
 class GRPOConfig:
     task: str = "digits"
     """Task: digits[:mode] (own 16-token tokenizer), math, calculator (multi-turn, a tool), dataset, or 'package.module:factory' (README)."""
     task_without_checkpoint: str | None = None
     """Task run instead of grpo.task when model.hf_checkpoint is unset: random weights, a timing harness that learns nothing (e.g. digits, whose ids fit any vocabulary)."""
+    harness_lengths: HarnessLengthsConfig = field(default_factory=HarnessLengthsConfig)
+    """The timing harness's response lengths (grpo.task_without_checkpoint without model.hf_checkpoint): fixed, or drawn from a long-tailed distribution like a reasoning run's."""
     prompts_per_step: int = 16
     """Distinct prompts per step (global)."""
     group_size: int = 8
@@ -310,10 +353,13 @@ class GRPOConfig:
     """soft_penalty: the penalty at max_tokens (DAPO: 1)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (the policy's token entropy, aggregated as the loss) subtracted from the loss; 0: entropy is only measured."""
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    """Partial rollouts: stop a generate before its slowest samples and continue them later (off by default)."""
 
     def check(self, path: str) -> None:
         positive(self, path, "prompts_per_step", "epochs", "mini_batches")
         at_least(self, path, 2, "group_size")
+        self.harness_lengths.check(f"{path}.harness_lengths")
         at_least(self, path, 0, "kl_coef", "max_staleness", "overlong_penalty", "entropy_coef")
         if not self.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
             raise ValueError(f"{path}.importance_cap: must be > 1, got {self.importance_cap}")
@@ -321,6 +367,7 @@ class GRPOConfig:
         in_range(self, path, "clip_eps_high", 0, 1, "[0, 1)")
         if self.dynamic_sampling:
             positive(self, path, "dynamic_sampling_max_rounds")
+        self.partial.check(f"{path}.partial")
 
 
 @dataclass(kw_only=True)
@@ -516,12 +563,31 @@ class ServeConfig:
     config.toml of a run written before still loads (--resume)."""
     takeover: bool = False
     """Trainer side: replace the trainer connected to the server now (it is told so in one line at its next
-    sync); without it, connecting to a server that has a trainer is a one-line error naming this field. A
-    trainer that died between syncs still holds its session: restart it with takeover."""
+    sync). Without it, a trainer that finds another connected waits until that one's session lease runs out
+    (serve.session_lease_s: a crashed trainer's does, so a plain restart reconnects) and otherwise stops with a
+    one-line error naming this field."""
     sync_store_mb: float = 64.0
     """Most MiB the trainer's sync messages (its tensor list, the plans, each sync's header) may hold in the
     server's memory; a write past it gets 413. The store is reached only through /control/store, with
     serve.token."""
+    session_lease_s: float = 30.0
+    """Server side: seconds a trainer's sync session lasts without a request from that trainer (its client
+    renews it every fifth of this while it trains, generates or syncs). A session whose lease ran out (its
+    trainer was killed or is frozen) is replaced by the next trainer that connects, without serve.takeover."""
+    ssl_certfile: str = ""
+    """Server side: PEM certificate (chain) to serve HTTPS with (uvicorn's ssl_certfile); with it the server
+    speaks TLS only, and the trainer connects with https. Without it, a serve.host beyond loopback carries
+    serve.token and serve.api_key in clear (the server says so at start)."""
+    ssl_keyfile: str = ""
+    """Server side: the PEM private key of serve.ssl_certfile (empty: the certificate file holds it)."""
+    ssl_cafile: str = ""
+    """Trainer side: PEM CA bundle, or the server's own self-signed certificate, to verify the server's
+    certificate against; setting it (or serve.ssl_certfile) makes the trainer use https. Empty: the system's
+    CAs. The certificate must name the address the trainer connects to (serve.host; 127.0.0.1 for 0.0.0.0)."""
+
+    def in_clear_beyond_loopback(self) -> bool:
+        """Whether serve.host is reachable from other machines while the server speaks plain HTTP."""
+        return not _loopback(self.host) and not self.ssl_certfile
 
     def check(self, path: str) -> None:
         """Ports, secrets and limits (secrets already filled from the environment: config.validation.check_serve)."""
@@ -537,6 +603,10 @@ class ServeConfig:
                              "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
         positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests", "sync_store_mb",
                  "max_requests_per_client", "read_timeout_s")
+        positive_float(self, path, "session_lease_s")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError(f"{path}.ssl_certfile: set it too (the certificate of serve.ssl_keyfile "
+                             f"{self.ssl_keyfile}), or drop serve.ssl_keyfile")
 
 
 @dataclass(kw_only=True)

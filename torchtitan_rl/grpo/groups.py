@@ -40,6 +40,8 @@ class Groups:
     """bool: the completion was cut at the length limit (no eos)."""
     correct_B: Tensor
     """bool: the task calls the completion correct (Task.correct): what DAPO's filter reads."""
+    versions: list[list[int]] | None = None
+    """The weight version of each completion token (Rollouts.versions); None: the batch's one version."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -64,6 +66,7 @@ class Groups:
             rewards_B=self.rewards_B[rows],
             truncated_B=self.truncated_B[rows],
             correct_B=self.correct_B[rows],
+            versions=None if self.versions is None else [self.versions[r] for r in rows],
         )
 
     @staticmethod
@@ -82,7 +85,16 @@ class Groups:
             rewards_B=torch.cat([p.rewards_B for p in parts]),
             truncated_B=torch.cat([p.truncated_B for p in parts]),
             correct_B=torch.cat([p.correct_B for p in parts]),
+            versions=_joined_versions(parts),
         )
+
+
+def _joined_versions(parts: list[Groups]) -> list[list[int]] | None:
+    """The parts' per-token versions, in order; None when no part has any (a part without takes none)."""
+    if all(p.versions is None for p in parts):
+        return None
+    assert all(p.versions is not None for p in parts), "per-token versions on some parts only"
+    return [v for p in parts for v in p.versions]
 
 
 def shared_scores(score: Callable[[int], tuple[float, ...]], n: int, *, device: torch.device) -> Tensor:
@@ -137,7 +149,7 @@ def score_groups(
     return Groups(
         group_size=G, prompts=list(prompts), prompt_ids=rollouts.prompt_ids, completion_ids=completions,
         logprobs=rollouts.logprobs, loss_mask=rollouts.loss_mask, task_rewards_B=task_rewards_B,
-        rewards_B=rewards_B, truncated_B=truncated_B, correct_B=correct_B,
+        rewards_B=rewards_B, truncated_B=truncated_B, correct_B=correct_B, versions=rollouts.versions,
     )
 
 

@@ -26,6 +26,8 @@ class StepMetrics:
     """Trainer.train_step's: loss, kl, clipping, gradient norm, entropy, ..."""
     mismatch: dict[str, float]
     importance: dict[str, float]
+    partial: dict[str, float]
+    """grpo.partial's carried and dropped samples; {} when off."""
     completion_tokens: float
     """Generated this step, dynamic sampling's refills included."""
     weight_version: int
@@ -34,8 +36,12 @@ class StepMetrics:
     sync_s: float
     generate_s: float
     wait_rollouts_s: float
-    """What of sync + generate was not moving weights: the trainer waiting for its rollouts."""
+    """What of sync + generate was not moving weights: the trainer waiting for its rollouts (trainer idle)."""
     generator_idle_s: float
+    """Seconds the generator had no batch and no sync before this step's batch (generator idle)."""
+    tail: dict[str, float]
+    """Where the step's generate went (engine/trace.py, EngineTrace.metrics): gen_tail_share, gen_batch_fill,
+    gen_preemptions, ...; {} where no Engine.generate made the batch (a rollout server, multi-turn episodes)."""
     train_s: float
     step_s: float
 
@@ -45,6 +51,15 @@ class StepMetrics:
             value = getattr(self, field.name)
             flat.update(value if isinstance(value, dict) else {field.name: value})
         return flat
+
+
+TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill"})
+"""Shares of a generate's wall time (engine/trace.py): timings, though their names do not end in _s."""
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metrics.jsonl key is a timing, which two runs of one seed need not share (all else they do)."""
+    return key.endswith("_s") or key in TIMING_SHARES
 
 
 class MetricsLogger:
