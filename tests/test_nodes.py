@@ -87,19 +87,28 @@ def _ranks(procs: list[subprocess.Popen], nproc: int, ranks: list) -> dict[int, 
     """Wait for every machine's ranks; each rank's torchrun variables by its RANK (added to ``ranks``)."""
     deadline = time.monotonic() + 300
     while True:
-        children = [psutil.Process(p.pid).children() for p in procs]
+        # A rank once its environment is torchrun's: node 1's `sh` first runs `hostname`, and a rank forked but not
+        # yet exec'd still shows the launcher's environment.
+        children = [[(kid, env) for kid in psutil.Process(p.pid).children() if "LOCAL_RANK" in (env := _environ(kid))]
+                    for p in procs]
         if all(len(c) == nproc for c in children):
             break
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, [p.poll() for p in procs]
         time.sleep(0.2)
     found = {}
     for launcher, kids in enumerate(children):
-        for kid in kids:
+        for kid, env in kids:
             ranks.append(kid)
-            env = kid.environ()
             found[int(env["RANK"])] = {**{k: env[k] for k in ("LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE")},
                                        "launcher": launcher, "pid": kid.pid}
     return found
+
+
+def _environ(process: psutil.Process) -> dict[str, str]:
+    try:
+        return process.environ()
+    except psutil.NoSuchProcess:  # `hostname` ended
+        return {}
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float = 600) -> list[tuple[int, str]]:
