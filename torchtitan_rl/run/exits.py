@@ -172,6 +172,9 @@ class RankExits:
             line, code = f"error: rank {self.rank}: {message}", 2
         else:
             line, code = f"rank {self.rank} failed: {type(error).__name__}: {message}", 1
+            if dead is None and self._store_gone():  # its socket error is the echo of another machine's end
+                line = (f"rank {self.rank} lost the job: the job's store is gone too, so the machine whose launcher "
+                        f"held it ended or died (its log says why); here {type(error).__name__}: {message}")
             if "Timed out" in message or "timed out" in message:
                 line += " (waited trainer.collective_timeout_s for another rank)"
             try:
@@ -214,6 +217,16 @@ class RankExits:
             return self.store is not None and self._ask("check", [f"{self.prefix}/first"])
         except Exception:  # noqa: BLE001  the store is gone
             return False
+
+    def _store_gone(self) -> bool:
+        """Whether the job's store no longer answers (the launcher that held it ended)."""
+        if self.store is None:
+            return False
+        try:
+            self._ask("check", [f"{self.prefix}/first"])
+        except Exception:  # noqa: BLE001  any failure of the call is the answer
+            return True
+        return False
 
     def _ask(self, op: str, *args):
         """One call of the job's store, its C++ warning muted if the store is gone (the exception is raised)."""
