@@ -6,16 +6,22 @@ runs (docs/design.md, "The loop's layouts"), and the step body is the same for a
 inside ``train`` so that --help and config errors are instant.
 """
 
-import functools
-import os
-import time
-from pathlib import Path
+from torchtitan_rl.run.startup import starting_up
 
-from torchtitan_rl import collector
-from torchtitan_rl.run.exits import RankExits, end_when_done, one_line_errors
-from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
-from torchtitan_rl.config.validation import effective_task, redacted_dict
-from torchtitan_rl.disk import refused, release, reserve, write_error
+if __name__ == "__main__":  # a Ctrl-C while the modules import is one line, not a KeyboardInterrupt traceback
+    starting_up()
+
+import functools  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from torchtitan_rl import collector  # noqa: E402
+from torchtitan_rl.run.exits import RankExits, end_when_done, one_line_errors  # noqa: E402
+from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml  # noqa: E402
+from torchtitan_rl.config.validation import effective_task, redacted_dict  # noqa: E402
+from torchtitan_rl.disk import refused, release, reserve, write_error  # noqa: E402
 
 DRY_RUN_TOML = "dry-run.toml"
 """What --dry-run writes into job.output_dir: the resolved config."""
@@ -55,9 +61,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _destroy_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
+    # Not imported here: a Ctrl-C inside torch's own import leaves it half made, and importing it again raises.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and getattr(dist, "is_initialized", lambda: False)():
         dist.destroy_process_group()
 
 

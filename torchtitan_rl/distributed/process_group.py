@@ -17,7 +17,8 @@ from torchtitan.distributed import ParallelDims
 
 
 def local_device(device: torch.device | str) -> torch.device:
-    """The device with an index on CUDA: torchrun's LOCAL_RANK when none is given."""
+    """The device with an index on CUDA: torchrun's LOCAL_RANK when none is given (the rank's place on its own
+    machine; RANK counts every machine's ranks, and rank 3 of two 2-GPU machines is GPU 1 of the second)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

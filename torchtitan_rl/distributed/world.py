@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl import compat
+from torchtitan_rl.distributed.process_group import local_device
 
 STORE_PREFIX = "torchtitan_rl/weight_sync"
 """Prefix of this package's keys in the job's store (every rank of a job must use the same)."""
@@ -74,14 +75,13 @@ def init_world(device_type: str, *, replicas: int = 1, timeout_s: float = 3600.0
     """
     assert not dist.is_initialized(), "init_world must create the process groups"
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if world_size < replicas + 1:
         raise ValueError(f"weight_sync.transport=nccl: needs >= {replicas + 1} ranks (trainers + {replicas} "
                          f"generator replicas), got {world_size}")
     trainers = world_size - replicas
     store, _, _ = next(dist.rendezvous("env://"))
-    cuda = device_type == "cuda"
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = local_device(device_type)  # this machine's GPU LOCAL_RANK: RANK counts the GPUs of every machine
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     role = "generator" if rank >= trainers else "trainer"

@@ -9,6 +9,7 @@ import torch
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.config.validation import effective_task, harness_lengths, tokenizer_dir
+from torchtitan_rl.distributed.process_group import local_device
 from torchtitan_rl.grpo import build_task
 from torchtitan_rl.grpo.tasks import check_vocabulary
 from torchtitan_rl.models.families import FLAVORS, resolve_shape
@@ -59,11 +60,11 @@ def run_device(name: str):
                 "job.device: this config needs a CUDA GPU and torch finds none; on a CPU run "
                 "run_configs/cpu_tiny.toml or run_configs/smollm2_135m_math_cpu.toml (or --job.device cpu)"
             )
-        local_rank, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
-        if local_rank >= visible:
+        device, visible = local_device("cuda"), torch.cuda.device_count()
+        if device.index >= visible:
             raise ValueError(
-                f"job.device: torchrun's local rank {local_rank} needs GPU {local_rank}, but {visible} "
+                f"job.device: torchrun's local rank {device.index} needs GPU {device.index}, but {visible} "
                 f"{'is' if visible == 1 else 'are'} visible; run at most --nproc-per-node {visible} per machine"
             )
-        return torch.device("cuda", local_rank)
+        return device
     return torch.device(name)

@@ -8,7 +8,10 @@ Rank 0 decides; every rank gets the same plan (``agree``).
 
 import os
 import pickle
+import secrets
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,6 +38,8 @@ FIXED = {
 """Fields a resume refuses to change, and what they fixed; every other field may change and takes effect."""
 FIXED_WITH_QUEUED = ("grpo.prompts_per_step", "grpo.group_size", "generator.sampling.")
 """Also fixed when the run had grpo.max_staleness > 0 or grpo.partial: its checkpoint holds rollouts drawn with them."""
+SHARED_WAIT_S = 3.0
+"""How long a rank on another machine looks for the file rank 0 just wrote (a network file system's caches)."""
 
 
 def plan_run(cfg: JobConfig, *, say=print) -> RunPlan:
@@ -127,4 +132,53 @@ def agree(cfg: JobConfig, *, store=None, generator: bool = False) -> RunPlan:
         if not generator and dist.get_rank() == 0:
             raise result
         raise SystemExit(2)  # rank 0 says why
+    if not generator:
+        check_shared(cfg, result)
     return result
+
+
+def check_shared(cfg: JobConfig, plan: RunPlan) -> None:
+    """Every trainer rank writes its shards of a checkpoint into the run folder, and a resume reads them on every
+    rank: trainer ranks on several machines need the folder rank 0 made on a file system they all mount. A
+    ValueError on every trainer rank (collective) if one does not see it; rank 0 removes the new run's empty folder."""
+    if not (cfg.trainer.checkpoint.enable or plan.checkpoint is not None):
+        return  # the run folder lives on rank 0's machine alone: its metrics, config, plot and export
+    world = dist.get_world_size()
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    if len(set(hosts)) == 1:
+        return
+    probe = [None]
+    if dist.get_rank() == 0:
+        name = f".shared-check-{secrets.token_hex(8)}"
+        try:
+            (plan.folder / name).write_text(name)
+            probe[0] = name
+        except OSError:  # a full or read-only disk: the checkpoint's save says so, naming the folder
+            pass
+    dist.broadcast_object_list(probe, src=0)
+    if probe[0] is None:
+        return
+    path, deadline = plan.folder / probe[0], time.monotonic() + SHARED_WAIT_S
+    while True:
+        try:
+            sees = path.read_text() == probe[0]
+        except OSError:
+            sees = False
+        if sees or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    seen = [None] * world
+    dist.all_gather_object(seen, sees)
+    blind = [r for r in range(world) if not seen[r]]
+    if dist.get_rank() == 0:
+        path.unlink()
+        if blind and plan.checkpoint is None and not any(plan.folder.iterdir()):
+            plan.folder.rmdir()
+    if blind:
+        field, what = (("trainer.checkpoint.enable", "writes its shards of each checkpoint into")
+                       if plan.checkpoint is None else ("--resume", "reads its shards of the checkpoint from"))
+        others = ", ".join(f"rank {r} on {hosts[r]}" for r in blind)
+        raise ValueError(f"{field}: every trainer rank {what} {plan.folder}, which rank 0 made on {hosts[0]}, but "
+                         f"{others} cannot see it: put job.output_dir on a file system every machine mounts at the same "
+                         "path (docs/cluster.md), or train without checkpoints")
