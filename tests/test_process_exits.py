@@ -243,7 +243,6 @@ def test_a_user_error_rank_0_finds_ends_the_other_ranks_quietly(tmp_path):
     assert proc.returncode == 2
 
 
-<<<<<<< HEAD
 def _lines_with_times(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], float]:
     """Every non-empty line the process wrote (stdout and stderr merged; a progress bar's \\r ends a line), with the
     time it arrived, and the time the process ended."""
@@ -274,7 +273,8 @@ def test_a_finished_run_exits_within_2_s_of_its_last_line(tmp_path):
     last_at, last = lines[-1]
     assert last.startswith("torchtitan_rl: mean reward"), lines[-5:]
     assert ended - last_at < 2.0, ended - last_at
-=======
+
+
 SLOW_IMPORT = '''
 import os, sys, time
 
@@ -345,4 +345,3 @@ def test_ctrl_c_while_a_single_process_run_imports_is_one_line_exit_130(tmp_path
         "--job.output_dir", str(tmp_path / "out")])
     assert stderr == "torchtitan_rl: interrupted (SIGINT)\n", stderr[-3000:]
     assert code == 130
->>>>>>> t43nodes
