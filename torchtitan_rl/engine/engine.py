@@ -16,6 +16,7 @@ import torch
 from torchtitan_rl import collector, compat
 from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.engine.in_process import build_llm_engine
+from torchtitan_rl.engine.moe import RouteLog, fill_shared_prompts
 from torchtitan_rl.engine.rollouts import Done, Rollouts
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
@@ -157,6 +158,11 @@ class Engine:
             enable_sleep_mode=config.sleep != "off",
         )
         self.model = compat.vllm_model(self.engine)
+        self._route_log: RouteLog | None = None
+        """MoE: each request's expert choices, filed after every forward (engine/moe.py)."""
+        if self.model.routes is not None:
+            self._route_log = RouteLog(self.model.routes)
+            compat.on_model_forward(self.engine, self._route_log.file)
         if config.load_format == "auto":
             self._version = 0  # explicit opt-in: the checkpoint's weights, no trainer
         else:
@@ -327,7 +333,17 @@ class Engine:
             # logprobs=0: one entry per position, the sampled token's (FlatLogprobs, flat_logprobs=True).
             assert c.logprobs.token_ids == ids, "expected the sampled token's logprob only"
             logprobs.append(c.logprobs.logprobs)
-        return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s)
+        routes = None
+        if self._route_log is not None:
+            # The generator computed every position but the last token's (never fed back in).
+            routes = [self._route_log.take(rid, len(p) + len(c) - 1)
+                      for (rid, _), p, c in zip(requests, prompt_ids, completions)]
+            self._route_log.clear()
+            lens = [len(p) for p in prompt_ids]
+            for i in range(len(prompts)):
+                fill_shared_prompts(routes, lens, list(range(i * n, (i + 1) * n)))
+        return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s,
+                        routes=routes)
 
     # The loop's interface (rollout/base.py), so that a one-process caller can use an Engine directly.
     rollouts = generate

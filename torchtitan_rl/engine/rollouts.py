@@ -21,6 +21,10 @@ class Rollouts:
     """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
     loss_mask: list[list[int]] | None = None
     """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
+    routes: list | None = None
+    """MoE: per completion, int16 numpy [prompt + completion - 1, MoE layers, top-k], the experts the generator's
+    forward chose at each position it computed (-1: none recorded); None for a dense model or a generator that
+    does not hand them over (routing replay, the routing-mismatch metric)."""
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
@@ -42,6 +46,7 @@ class Rollouts:
             generate_s=max(p.generate_s for p in parts),
             idle_s=sum(p.idle_s for p in parts) / len(parts),
             loss_mask=masks,
+            routes=None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes],
         )
 
 

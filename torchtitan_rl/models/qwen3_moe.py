@@ -1,0 +1,67 @@
+"""The Qwen3 MoE family: Qwen3MoeForCausalLM checkpoints, its shapes by name, and the experts' layouts.
+
+torchtitan's Qwen3 decoder with every MLP a mixture of experts as torchtitan's Qwen3 MoE flavors build it
+(``debugmodel_moe``, ``30B-A3B``): a softmax top-k router (fp32 scores, renormalised top-k), no shared
+expert, and the experts stacked per layer: ``w1_EFD`` (gate), ``w3_EFD`` (up) [experts, hidden, dim] and
+``w2_EDF`` (down) [experts, dim, hidden]. HF names (one tensor per expert) map through torchtitan's
+Qwen3StateDictAdapter, which splits and stacks them.
+"""
+
+import torch
+
+from torchtitan_rl.models.shape import Family, ModelShape
+from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+QWEN3_MOE = Family(
+    name="qwen3_moe",
+    hf_architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    qk_norm=True,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    state_dict_adapter=Qwen3StateDictAdapter,
+    # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers); the router's aux loss is not ours.
+    hf_config_extra={"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
+                     "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
+                     "router_aux_loss_coef": 0.0},
+    moe=True,
+)
+
+EXPERT_KEYS = ("w1_EFD", "w3_EFD", "w2_EDF")
+"""The stacked expert tensors of one layer (under ``moe.routed_experts.inner_experts.``)."""
+
+
+def _shape(**fields) -> ModelShape:
+    return ModelShape(family=QWEN3_MOE, rope_theta=QWEN3_MOE.rope_theta, rms_norm_eps=QWEN3_MOE.rms_norm_eps,
+                      **fields)
+
+
+FLAVORS: dict[str, ModelShape] = {
+    # The tiny Qwen3's attention with 8 experts (top 2) per layer: learns the digit task on 2 CPU cores.
+    "tiny-moe": _shape(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=192,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        vocab_size=0, max_position_embeddings=512, tie_word_embeddings=True,
+    ),
+    # torchtitan's debugmodel_moe (not tied: torchtitan's MoE flavors are not).
+    "debugmodel_moe": _shape(
+        hidden_size=256, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, intermediate_size=3072,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
+        vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    "30B-A3B": _shape(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        vocab_size=151936, max_position_embeddings=40960, tie_word_embeddings=False,
+    ),
+}
+
+
+def stacked_expert_views(w13_EXD: torch.Tensor, w2_EDF: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The trainer's expert tensors as views into a fused-MoE layout: ``w13`` [experts, 2 * hidden, dim] with
+    each expert's gate rows then its up rows (vLLM's w13_weight), ``w2`` [experts, dim, hidden]."""
+    hidden = w13_EXD.shape[1] // 2
+    return {"w1_EFD": w13_EXD[:, :hidden], "w3_EFD": w13_EXD[:, hidden:], "w2_EDF": w2_EDF}
