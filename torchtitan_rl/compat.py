@@ -8,6 +8,7 @@ engine/in_process.py.
 """
 
 import contextlib
+import re
 import dataclasses
 from datetime import timedelta
 
@@ -250,7 +251,7 @@ def on_model_forward(engine, callback) -> None:
             out = forward(*args, **kwargs)
             batch = runner.input_batch
             n = batch.num_reqs
-            callback(list(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1], kwargs["positions"])
+            callback(_external_ids(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1], kwargs["positions"])
             return out
 
         runner._model_forward = model_forward
@@ -264,7 +265,13 @@ def on_model_forward(engine, callback) -> None:
         if batch is not None and batch is not seen[0]:  # a step without a forward leaves the last one's state
             seen[0] = batch
             n = len(batch.req_ids)
-            callback(list(batch.req_ids), batch.query_start_loc_np[: n + 1], batch.positions)
+            callback(_external_ids(batch.req_ids), batch.query_start_loc_np[: n + 1], batch.positions)
         return out
 
     runner.execute_model = execute_model
+
+
+def _external_ids(req_ids) -> list[str]:
+    """The ids ``add_request`` was given: vLLM's engine makes its own '<given>-<8 hex digits>' (input_processor's
+    assign_request_id)."""
+    return [re.sub(r"-[0-9a-f]{8}$", "", rid) for rid in req_ids]
