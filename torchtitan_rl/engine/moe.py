@@ -21,8 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchtitan_rl import compat
+from torchtitan_rl.models.destination import Destination
+from torchtitan_rl.models.moe import synced
 from torchtitan_rl.models.qwen3_moe import stacked_expert_views
-from torchtitan_rl.models.shape import ModelShape
+from torchtitan_rl.models.shape import ModelShape, titan_config
 
 MISSING = -1
 """Expert id of a (position, layer, slot) the generator has no record of (a prompt served from the prefix cache
@@ -135,3 +137,26 @@ def fill_shared_prompts(routes: list[np.ndarray], prompt_lens: list[int], group:
         p = prompt_lens[i]
         gap = (routes[i][:p] < 0).any(axis=(1, 2))
         routes[i][:p][gap] = known[gap]
+
+
+@torch.no_grad()
+def load_through_targets(targets: dict[str, Destination], state: dict[str, torch.Tensor], shape: ModelShape) -> None:
+    """Write an HF checkpoint's tensors (our checkpoint-format names) through the sync's destinations;
+    ValueError naming model.hf_checkpoint unless they are exactly the model's."""
+    with torch.device("meta"):
+        wanted = {k for k in titan_config(shape).build().state_dict() if synced(k) and not k.endswith("rope.cache")}
+    wanted = {k for k in wanted if "expert_bias_E" not in k}  # not in an HF checkpoint: starts at 0
+    fused = {k for k in wanted if k.endswith("qkv_linear.wqkv.weight")}
+    wanted = (wanted - fused) | {k[: -len("wqkv.weight")] + f"{q}.weight" for k in fused for q in ("wq", "wk", "wv")}
+    if shape.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    missing, unexpected = sorted(wanted - state.keys()), sorted(state.keys() - wanted)
+    if missing or unexpected:
+        raise ValueError(f"model.hf_checkpoint does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for key in wanted:
+        dest = targets[key]
+        dest.view.copy_(state[key].reshape(dest.view.shape))
+    for name, t in targets.items():
+        if name.endswith("expert_bias_E"):
+            t.view.zero_()

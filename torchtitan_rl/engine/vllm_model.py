@@ -18,9 +18,8 @@ from torchtitan_rl import compat
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.kernels.batch_invariant import attention as bi_attention, make_batch_invariant, padded_len, seqs_per_chunk
 from torchtitan_rl.models.lora import apply_lora
-from torchtitan_rl.engine.moe import FusedMoE, RouteRecorder
+from torchtitan_rl.engine.moe import FusedMoE, RouteRecorder, load_through_targets
 from torchtitan_rl.models.families import family_by_model_type, from_hf, load_hf_state, shape_from_hf_config
-from torchtitan_rl.models.moe import synced
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
 from torchtitan_rl.models.destination import Destination
 
@@ -287,7 +286,7 @@ class TorchTitanForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a Hugging Face checkpoint (load_format=auto, debugging without a trainer)."""
         if self.shape.moe:  # the experts live in the fused layout: written through the sync's views
-            _load_through_targets(self.sync_targets(), from_hf(dict(weights), self.shape), self.shape)
+            load_through_targets(self.sync_targets(), from_hf(dict(weights), self.shape), self.shape)
             return {name for name, _ in self.named_parameters()}
         # vLLM's attention layer owns its KV-cache scales (engine_constants), no checkpoint holds them.
         load_hf_state(self.model, dict(weights), self.shape, where="model.hf_checkpoint",
@@ -363,29 +362,6 @@ def _build_moe(shape: ModelShape, *, max_tokens: int) -> tuple[nn.Module, RouteR
     for i, layer in enumerate(model.layers.values()):
         layer.moe = FusedMoE(titan_moe=layer.moe, shape=shape, layer=i, recorder=recorder)
     return model, recorder
-
-
-@torch.no_grad()
-def _load_through_targets(targets: dict[str, Destination], state: dict[str, torch.Tensor], shape: ModelShape) -> None:
-    """Write an HF checkpoint's tensors (our checkpoint-format names) through the sync's destinations;
-    ValueError naming model.hf_checkpoint unless they are exactly the model's."""
-    with torch.device("meta"):
-        wanted = {k for k in titan_config(shape).build().state_dict() if synced(k) and not k.endswith("rope.cache")}
-    wanted = {k for k in wanted if "expert_bias_E" not in k}  # not in an HF checkpoint: starts at 0
-    fused = {k for k in wanted if k.endswith("qkv_linear.wqkv.weight")}
-    wanted = (wanted - fused) | {k[: -len("wqkv.weight")] + f"{q}.weight" for k in fused for q in ("wq", "wk", "wv")}
-    if shape.tie_word_embeddings:
-        wanted.discard("lm_head.weight")
-    missing, unexpected = sorted(wanted - state.keys()), sorted(state.keys() - wanted)
-    if missing or unexpected:
-        raise ValueError(f"model.hf_checkpoint does not match the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    for key in wanted:
-        dest = targets[key]
-        dest.view.copy_(state[key].reshape(dest.view.shape))
-    for name, t in targets.items():
-        if name.endswith("expert_bias_E"):
-            t.view.zero_()
 
 
 def _compile_requested(vllm_config) -> bool:

@@ -390,31 +390,29 @@ class Trainer:
             rows, cols = mb.rows.to(self.device), slice(0, mb.length)
             replay = None if replay_BLNK is None else replay_BLNK[mb.rows, cols]
             # Activation checkpointing recomputes inside backward: the replayed routes stay set through it.
-            replaying = routing(self._routers, replay_BLNK=replay)
-            replaying.__enter__()
-            logprobs_BL, entropy_BL = self._logprobs(
-                tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
-            )
-            loss, m = grpo_loss(
-                logprobs_BL,
-                old_BL[rows, cols],
-                adv_B[rows],
-                mask_BL[rows, cols],
-                clip_eps_low=grpo.clip_eps_low,
-                clip_eps_high=grpo.clip_eps_high,
-                ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
-                kl_coef=grpo.kl_coef,
-                num_tokens=num_tokens,
-                is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
-                aggregation=grpo.loss_aggregation,
-                num_sequences=num_sequences,
-                max_tokens=max_tokens or None,
-                ratio_level=grpo.ratio_level,
-                entropy_BT=entropy_BL,
-                entropy_coef=grpo.entropy_coef,
-            )
-            loss.backward()
-            replaying.__exit__(None, None, None)
+            with routing(self._routers, replay_BLNK=replay):
+                logprobs_BL, entropy_BL = self._logprobs(
+                    tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
+                )
+                loss, m = grpo_loss(
+                    logprobs_BL,
+                    old_BL[rows, cols],
+                    adv_B[rows],
+                    mask_BL[rows, cols],
+                    clip_eps_low=grpo.clip_eps_low,
+                    clip_eps_high=grpo.clip_eps_high,
+                    ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
+                    kl_coef=grpo.kl_coef,
+                    num_tokens=num_tokens,
+                    is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
+                    aggregation=grpo.loss_aggregation,
+                    num_sequences=num_sequences,
+                    max_tokens=max_tokens or None,
+                    ratio_level=grpo.ratio_level,
+                    entropy_BT=entropy_BL,
+                    entropy_coef=grpo.entropy_coef,
+                )
+                loss.backward()
             n = m["tokens"]
             sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS))
             totals = [t + v for t, v in zip(totals, sums)]
