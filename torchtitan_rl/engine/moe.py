@@ -101,8 +101,9 @@ class RouteLog:
         if not req_ids:
             return
         total = int(query_start_loc[len(req_ids)])
-        ids_TNK = self.recorder.ids_TNK[:total].cpu().numpy()
-        pos_T = positions[:total].cpu().numpy()
+        # Copies: on CPU .cpu() returns the same storage, which the next forward overwrites.
+        ids_TNK = self.recorder.ids_TNK[:total].to("cpu", copy=True).numpy()
+        pos_T = positions[:total].to("cpu", copy=True).numpy()
         for i, rid in enumerate(req_ids):
             a, b = int(query_start_loc[i]), int(query_start_loc[i + 1])
             if b > a:
