@@ -41,13 +41,14 @@ def machine(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores (torch {torch.__version__})"
 
 
-def write_section(name: str, *, device: str, body: str, path: Path = BENCHMARKS_MD) -> None:
-    """Replace (or add) the section ``name`` of docs/benchmarks.md."""
+def write_section(name: str, *, device: str, body: str, path: Path = BENCHMARKS_MD, made_on: str | None = None) -> None:
+    """Replace (or add) the section ``name`` of docs/benchmarks.md; ``made_on``: the machine, when the table is
+    made elsewhere than where its numbers were measured."""
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     today = datetime.date.today().isoformat()
     section = (
         f"<!-- {name} -->\n## {name}\n\n"
-        f"- command: `{command}`\n- machine: {machine(device)}\n- date: {today}\n\n"
+        f"- command: `{command}`\n- machine: {made_on or machine(device)}\n- date: {today}\n\n"
         f"{body.rstrip()}\n<!-- /{name} -->\n"
     )
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 from tests.helpers import free_port, native_state, trainer_model  # noqa: E402
 from torchtitan_rl.config import LoRAConfig, SamplingConfig, TrainerConfig, WeightSyncConfig, load_toml  # noqa: E402
 from torchtitan_rl.engine.engine import Engine  # noqa: E402
-from torchtitan_rl.rollout.server_client import ServerClient, ServerGenerator  # noqa: E402
+from torchtitan_rl.rollout.server_client import ServerGenerator  # noqa: E402
+from torchtitan_rl.rollout.server_http import ServerClient  # noqa: E402
 from torchtitan_rl.grpo.tasks.digits import DigitsTask  # noqa: E402
 from torchtitan_rl.distributed.process_group import init_process_group  # noqa: E402
 from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402

@@ -53,6 +53,9 @@ VARIANTS = {
     "chunked + compile, 16k tokens": _variant(2048, 512, 16384, True),
     "chunked + compile, 32k tokens": _variant(2048, 512, 32768, True),
     "chunked + compile + full AC, 64k tokens": _variant(2048, 512, 65536, True, "full"),
+    # rows of 8k-16k tokens (the long tail's: scripts/gpu/long_tail.sh); budgets at least generator.max_model_len
+    "chunked + compile + full AC, 32k tokens": _variant(2048, 512, 32768, True, "full"),
+    "chunked + compile + full AC, 128k tokens": _variant(2048, 512, 131072, True, "full"),
 }
 
 
@@ -64,13 +67,20 @@ def model_flops(shape, lengths: list[int], scored: int, *, matmul_params: int) -
     return 2 * matmul_params * tokens + 2 * shape.vocab_size * shape.hidden_size * scored + attention
 
 
-def make_batch(cfg, task, shape, *, ragged: bool, seed: int = 0):
+def make_batch(cfg, task, shape, *, ragged: bool, harness: bool = False, seed: int = 0):
+    from torchtitan_rl.engine.lengths import response_length
     from torchtitan_rl.grpo.batch import pack_rollouts
 
     rng = random.Random(seed)
     P, G, T = cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.generator.sampling.max_tokens
     prompts = [p.token_ids for p in task.sample_prompts(P, generator=rng) for _ in range(G)]
-    completions = [[rng.randrange(1, shape.vocab_size) for _ in range(rng.randint(1, T) if ragged else T)] for _ in prompts]
+    if harness:  # the lengths the loop's engine would draw for a request seeded `seed` (engine/lengths.py)
+        drawn = [response_length(cfg.grpo.harness_lengths, cap=T, seed=seed, prompt=i // G, sample=i % G) or T
+                 for i in range(P * G)]
+        completions = [[rng.randrange(1, shape.vocab_size) for _ in range(n)] for n in drawn]
+    else:
+        completions = [[rng.randrange(1, shape.vocab_size) for _ in range(rng.randint(1, T) if ragged else T)]
+                       for _ in prompts]
     tokens, mask, _ = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], pad_id=task.pad_id)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     return tokens, mask, lengths
@@ -172,6 +182,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), help="names of VARIANTS, in order")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ragged", action="store_true", help="completion lengths uniform in [1, max_tokens]")
+    parser.add_argument("--harness-lengths", action="store_true",
+                        help="completion lengths drawn from the config's grpo.harness_lengths (as the loop's engine)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler's top kernels of the last variant's step")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
@@ -185,7 +197,7 @@ def main() -> None:
     cfg0 = parse_args(base)
     task = run_task(cfg0)
     shape = run_shape(cfg0, task)
-    batch = make_batch(cfg0, task, shape, ragged=args.ragged)
+    batch = make_batch(cfg0, task, shape, ragged=args.ragged, harness=args.harness_lengths)
     tokens, mask, lengths = batch
     scored = int(mask.sum().item())
     device = "cuda" if torch.cuda.is_available() and cfg0.job.device != "cpu" else "cpu"
@@ -232,7 +244,8 @@ def main() -> None:
     T = cfg0.generator.sampling.max_tokens
     body = (
         f"`{args.config}` trainer alone: {P} prompts x {G} samples, completions "
-        f"{f'uniform in [1, {T}]' if args.ragged else f'all {T}'} tokens: {r0['tokens']:,} tokens "
+        f"{'drawn from grpo.harness_lengths' if args.harness_lengths else f'uniform in [1, {T}]' if args.ragged else f'all {T}'}"
+        f" tokens: {r0['tokens']:,} tokens "
         f"({r0['scored_tokens']:,} scored) padded to {tokens.shape[0]} x {tokens.shape[1]}; median of "
         f"{args.repeats} after a warm-up. MFU = model FLOPs / time / "
         f"{f'{peak / 1e12:.1f} TFLOP/s (dense bf16 peak)' if peak else 'n/a'}; forward FLOPs = "

@@ -7,8 +7,8 @@ commit before and one of the commit after), this runs, one after another on this
     nccl        3 processes (2 trainer ranks + 1 generator rank, gloo on CPU) through torchtitan_rl.launch, 10 steps
     server      python -m torchtitan_rl.serve, and a trainer syncing to it over HTTP (transport server), 10 steps
 
-and compares their metrics.jsonl line by line, every field but timings (``*_s``). Exit 0 only if all three are
-equal; prints the first differing field otherwise.
+and compares their metrics.jsonl line by line, every field but timings (``*_s``, the generate's time shares) and
+fields the commit after adds. Exit 0 only if all three are equal; prints the first differing field otherwise.
 
     git worktree add /tmp/before <commit>
     python scripts/check_same_metrics.py --before /tmp/before --after . --out /tmp/same_metrics
@@ -28,8 +28,12 @@ CONFIG = "run_configs/cpu_tiny.toml"
 TOKEN = "check-same-metrics-token"
 
 
+TIMING_SHARES = {"gen_tail_share", "gen_batch_fill"}
+"""Shares of a generate's wall time (engine/trace.py): timings too."""
+
+
 def timing(key: str) -> bool:
-    return key.endswith("_s")
+    return key.endswith("_s") or key in TIMING_SHARES
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -111,12 +115,15 @@ def main() -> None:
         before, after = runs["before"], runs["after"]
         diff = next(((i, k, b[k], a.get(k)) for i, (b, a) in enumerate(zip(before, after)) for k in b
                      if a.get(k) != b[k]), None)
-        if len(before) != len(after) or diff is not None or set(before[0]) != set(after[0]):
+        # a field only after is a new metric (compared from its first commit on); one only before was lost
+        lost, added = set(before[0]) - set(after[0]), sorted(set(after[0]) - set(before[0]))
+        if len(before) != len(after) or diff is not None or lost:
             failed = True
             print(f"{layout:9s} DIFFERENT: {len(before)} vs {len(after)} steps; first difference (step, field, "
-                  f"before, after): {diff}; fields only before/after: {set(before[0]) ^ set(after[0])}")
+                  f"before, after): {diff}; fields lost: {lost}")
         else:
-            print(f"{layout:9s} SAME: {len(before)} steps x {len(before[0])} non-timing fields equal")
+            print(f"{layout:9s} SAME: {len(before)} steps x {len(before[0])} non-timing fields equal"
+                  + (f"; new fields {added}" if added else ""))
     raise SystemExit(1 if failed else 0)
 
 

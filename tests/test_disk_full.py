@@ -1,9 +1,9 @@
 """A full or read-only disk ends a command with one line naming the path and its free space, and loses nothing.
 
 Caused for real: a small tmpfs mounted for the test and filled by a task whose
-reward writes a file until the kernel says ENOSPC (mid-run, at a chosen step),
-and a read-only bind mount (root ignores chmod). Both need root's mount(8):
-the tests skip where the sandbox forbids it.
+reward writes a file until the kernel says ENOSPC (mid-run, at a chosen step)
+or remounts it read-only, and a read-only bind mount (root ignores chmod). All
+need root's mount(8): the tests skip where the sandbox forbids it.
 """
 
 import json
@@ -157,6 +157,106 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_partial_folder(sma
     assert message.startswith(f"{disk / 'hf'}: no space left while exporting (") and "\n" not in message, message
     assert "free there); nothing written there (hf.partial removed)" in message
     assert sorted(p.name for p in disk.iterdir()) == ["filler"]
+
+
+EXPORT_ROOM = 160 << 10
+"""What the filling task leaves: room for the last steps' metrics and the plot, not for the cpu_tiny export
+(~270 KiB: 243 KiB of bf16 weights, its tokenizer and config)."""
+
+
+@pytest.mark.slow  # a real 4-step run (vLLM's start-up): 25-50 s on 2 shared cores
+def test_a_run_without_checkpoints_exports_onto_a_disk_that_filled_during_the_run(small_disk, monkeypatch):
+    """The export's room is reserved when the run starts (disk.reserve): a disk that fills during the run still
+    takes the export, and the trained weights are not lost (before: 'no space left while exporting', no
+    checkpoint anywhere)."""
+    from safetensors.torch import load_file
+
+    from torchtitan_rl.export import _expected_hf_shapes
+    from torchtitan_rl.models.families import shape_from_hf_config
+
+    disk = small_disk(8)
+    proc = _run_until_full(monkeypatch, disk, "--job.export", leave=EXPORT_ROOM)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = disk / "out" / "run-1"
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("hf")) == ["hf"]  # no hf.partial left
+    shape = shape_from_hf_config(json.loads((run / "hf" / "config.json").read_text()), where="test")
+    tensors = load_file(run / "hf" / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == _expected_hf_shapes(shape)
+    assert _metrics_steps(run) == [0, 1, 2, 3]
+    assert (disk / "filler").stat().st_size > 0  # the disk was full while the run went on
+
+
+@pytest.mark.slow  # the trainer and vLLM start before the room is reserved: ~20 s on 2 shared cores
+def test_a_run_that_exports_onto_a_disk_without_room_for_it_is_refused_before_it_trains(small_disk):
+    disk = small_disk(2)
+    fill(disk, leave=EXPORT_ROOM)
+    proc = run_module("torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir", str(disk / "out"),
+                      "--trainer.steps", "2", "--grpo.prompts_per_step", "8", "--job.export", timeout=240)
+    run = disk / "out" / "run-1"
+    line = _one_line(proc)
+    assert line.startswith(f"torchtitan_rl: error: {run / 'hf'}: no space left while reserving the "), line
+    assert " its export will take (" in line and "free there); nothing trained; free space there or pick another " \
+        "--job.export_dir [this start left " in line, line
+    assert not (run / "metrics.jsonl").exists() and not (run / "hf.partial").exists()
+
+
+class FreezingDigits(DigitsTask):
+    """The digits task, whose reward remounts $FREEZE_DISK read-only during the last step (metrics.jsonl in
+    $FREEZE_RUN holds $FREEZE_AT lines): the export's reserved room is then there but cannot be written."""
+
+    def __init__(self) -> None:
+        super().__init__(mode="copy")
+        self.frozen = False
+
+    def reward(self, prompt, completion_ids):
+        metrics = Path(os.environ["FREEZE_RUN"]) / "metrics.jsonl"
+        if not self.frozen and metrics.is_file() and len(metrics.read_text().splitlines()) >= int(
+                os.environ["FREEZE_AT"]):
+            subprocess.run(["mount", "-o", "remount,ro", os.environ["FREEZE_DISK"]], check=True)
+            self.frozen = True
+        return super().reward(prompt, completion_ids)
+
+
+def freezing_digits() -> FreezingDigits:
+    return FreezingDigits()
+
+
+@pytest.mark.slow  # a real 3-step run, then the export command: 30-60 s on 2 shared cores
+def test_a_failed_end_of_run_export_names_the_checkpoint_and_the_command_that_exports_it(
+        small_disk, tmp_path, monkeypatch):
+    """Whatever still refuses the export (here its file system turned read-only mid-run), the line says where
+    the trained weights are and the exact command; that command then writes the export (before: 'the run's
+    checkpoints are untouched' whether or not there were any)."""
+    from safetensors.torch import load_file
+
+    disk = small_disk(4)
+    run = tmp_path / "out" / "run-1"
+    monkeypatch.setenv("FREEZE_DISK", str(disk))
+    monkeypatch.setenv("FREEZE_RUN", str(run))
+    monkeypatch.setenv("FREEZE_AT", "2")
+    proc = run_module("torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path / "out"),
+                      "--trainer.steps", "3", "--grpo.prompts_per_step", "8", "--job.export_dir", str(disk / "hf"),
+                      "--trainer.checkpoint.enable", "--trainer.checkpoint.interval", "3",
+                      "--grpo.task", "tests.test_disk_full:freezing_digits", timeout=240)
+    line = _one_line(proc)
+    step = run / "checkpoints" / "step-3"
+    assert line.startswith(f"torchtitan_rl: error: {disk / 'hf'}: read-only file system while exporting ("), line
+    command = f"python -m torchtitan_rl.export --run-dir {run} --step 3 --out DIR"
+    assert line.endswith(f"nothing written there (hf.partial could not be removed); the trained weights are in "
+                         f"{step}, which verifies: `{command}` exports it"), line
+    out = tmp_path / "later"
+    proc = subprocess.run(command.replace("DIR", str(out)).replace("python", sys.executable, 1).split(), cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_file(out / "model.safetensors")
+
+
+def test_a_failed_export_of_a_run_without_checkpoints_says_the_weights_are_lost(tmp_path):
+    from torchtitan_rl.export import weights_left
+
+    cfg = load_toml(CPU_TINY)
+    assert weights_left(tmp_path, cfg) == ("the trained weights are lost: the run saved no checkpoint "
+                                          "(--trainer.checkpoint.enable keeps them)")
 
 
 def test_dry_run_into_a_read_only_folder_is_one_line(read_only):

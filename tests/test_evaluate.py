@@ -1,6 +1,7 @@
 """Named evaluation sets in the loop and in the standalone evaluator: the same weights score the same."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,17 @@ def test_evaluator_refuses_a_set_without_the_answer_field_in_one_line(tmp_path, 
                       "--device", "cpu")
     assert_one_line_error(proc, f"--set bad.answer_field: {data}:1 has no field 'answer'",
                           prefix="torchtitan_rl: error: ")
+
+
+def test_evaluator_refuses_a_folder_without_weights_in_one_line(tmp_path, smollm2_dir):
+    """config.json and the tokenizer but no *.safetensors: the trainer's own check (models/hf_folder.py), one
+    line and exit 2 (before: vLLM's "Cannot find any model weights" in an 81-line traceback, exit 1)."""
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    for file in smollm2_dir.iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            shutil.copy(file, folder)
+    data = tmp_path / "set.jsonl"
+    data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n')
+    proc = run_module("torchtitan_rl.evaluate", "--model", str(folder), "--set", f"easy={data}", "--device", "cpu")
+    assert_one_line_error(proc, f"--model: no *.safetensors files in {folder}", prefix="torchtitan_rl: error: ")

@@ -286,6 +286,36 @@ def test_the_digits_task_exports_a_tokenizer_that_round_trips(tmp_path, capsys):
         "load its weights only with a tokenizer folder given beside it"]
 
 
+@pytest.mark.slow  # vLLM's LLM on the export (its own engine process): ~20 s on 2 shared cores
+def test_the_cpu_tiny_export_chats_in_vllm_as_the_readme_shows(tmp_path):
+    """README's `LLM(folder).chat(...)` on a cpu_tiny export: the digits tokenizer carries a chat template that
+    renders a user message as the task's own prompt (<bos>123=) and an answer as its completion (111<eos>).
+    Before, the export had no template and vLLM's chat() refused the folder."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from torchtitan_rl.config import load_toml
+    from torchtitan_rl.export import snapshot
+    from torchtitan_rl.models.shape import build_titan_model
+    from torchtitan_rl.run.parts import run_shape, run_task
+
+    cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
+    task = run_task(cfg)
+    shape = run_shape(cfg, task)
+    files = snapshot(tmp_path / "run", cfg=cfg, task=task, shape=shape)
+    out = export_hf(dict(build_titan_model(shape, seed=0).named_parameters()), shape=shape, out_dir=tmp_path / "hf",
+                    tokenizer_dir=files, hf_checkpoint=files)
+    prompt = task.make_prompt([1, 2, 3])
+    turn = [{"role": "user", "content": "123"}, {"role": "assistant", "content": "111"}]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.apply_chat_template(turn, tokenize=False) == "<bos>123=111<eos>"
+
+    llm = LLM(str(out), kv_cache_memory_bytes=16 << 20, enforce_eager=True)
+    (answer,) = llm.chat([turn[:1]], SamplingParams(max_tokens=4, temperature=0))
+    assert answer.prompt_token_ids == prompt.token_ids
+    assert len(answer.outputs[0].token_ids) >= 1
+
+
 def test_a_random_model_on_another_checkpoints_tokenizer_exports_its_own_shape(smollm2_dir, tmp_path):
     """task.tokenizer lends the tiny random model SmolLM2's tokenizer: the export's config.json is the tiny
     model's (it used to be SmolLM2's, which no loader could fill from the tiny weights)."""

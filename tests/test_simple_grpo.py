@@ -138,6 +138,23 @@ def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
     history = train(cfg)
     assert [r["mismatch_frac_tokens"] for r in history] == [0.0, 0.0, 0.0]
     assert all(r["mismatch_max"] == 0.0 for r in history)
+    assert all(0 <= r["gen_tail_share"] <= 1 and r["gen_iterations"] >= 4 for r in history)  # every run logs it
+
+
+def test_harness_run_with_drawn_lengths_logs_their_tail(tmp_path):
+    cfg = _config(tmp_path, steps=2)
+    cfg.grpo.task_without_checkpoint = "digits"  # the timing harness: random weights, no checkpoint
+    cfg.grpo.harness_lengths.distribution = "lognormal"
+    cfg.grpo.harness_lengths.median, cfg.grpo.harness_lengths.p90 = 6, 24
+    cfg.generator.sampling.max_tokens = 48
+    cfg.grpo.prompts_per_step = 8
+    validate(cfg)
+    history = train(cfg)
+    for r in history:
+        # 64 samples of median 6: the few long ones decode alone through most of the generate's steps
+        assert r["response_length_max"] >= 24 and 4 <= r["response_length_mean"] <= 16
+        assert r["gen_iterations"] >= r["response_length_max"] and r["gen_tail_share"] > 0.3
+        assert r["gen_batch_fill"] < 0.5 and r["gen_preemptions"] == 0
 
 
 # ------------------------------------------- tasks on a real tokenizer, held-out evaluation

@@ -45,6 +45,29 @@ def batches_in_flight(engine) -> bool:
     return bool(engine.engine_core.engine_core.batch_queue)
 
 
+def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
+    """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
+    {request id: preemptions so far} of the waiting ones that were preempted). A preempted request goes back
+    to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays there at
+    least until the next step, so
+    reading after every step sees every preemption, and the scan stops at the first never-preempted request
+    (EngineCore.scheduler, Scheduler.running/.waiting, Request.num_preemptions: vLLM 0.26 and 0.32)."""
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempted = {}
+    for request in scheduler.waiting:
+        if not request.num_preemptions:
+            break
+        preempted[request.request_id] = request.num_preemptions
+    return len(scheduler.running), len(scheduler.waiting), preempted
+
+
+def kv_cache_tokens(engine) -> int:
+    """Tokens the KV cache of an in-process ``LLMEngine`` holds (vLLM logs it as "KV cache size"): its scheduler's
+    block pool (read on vLLM 0.26 by scripts/gpu/gen_drift.py, and 0.32) times the block size."""
+    pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks * engine.vllm_config.cache_config.block_size
+
+
 def compilable(model_cls: type, *, enable_if) -> type:
     """A subclass of ``model_cls`` that vLLM torch.compiles (its ``support_torch_compile``, the decorator of
     its own models) when ``enable_if(vllm_config)``; otherwise it runs ``model_cls``'s forward as is."""

@@ -6,9 +6,12 @@ own failure, cleans up what it had half written, and raises the ValueError
 made here, which says what is still valid. The libraries report a full disk
 in many ways: OSError 28, a DCP CheckpointException holding it, torch's zip
 writer's "unexpected pos", a safetensors "StorageFull"; ``refused`` reads them all.
+A folder written at the end (a run's export) can have its room reserved at the
+start (``reserve``).
 """
 
 import errno
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,8 +79,9 @@ def complete_or_absent(out: Path) -> Iterator[Path]:
     and only ``<out>.partial`` behind, which the next attempt clears; a writer
     that fails with an exception (a full disk) leaves no ``.partial``.
     """
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = partial(out)
+    if tmp.exists():  # a killed writer's, or reserve()'s room, freed just before the write takes it
+        shutil.rmtree(tmp)  # not ignore_errors: a read-only file system says so here
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -87,3 +91,39 @@ def complete_or_absent(out: Path) -> Iterator[Path]:
     if out.exists():
         out.rmdir()  # empty, as the caller checked
     tmp.rename(out)
+
+
+def partial(out: Path) -> Path:
+    """Where complete_or_absent writes ``out`` before renaming it: ``<out>.partial``."""
+    return out.with_name(out.name + ".partial")
+
+
+RESERVED = "reserved"
+"""The file in ``<out>.partial`` that holds reserve()'s room: allocated, never written."""
+
+
+def reserve(out: Path, size: int, *, kept: str) -> None:
+    """Hold ``size`` bytes on ``out``'s file system until complete_or_absent(out) writes there: a disk that fills
+    meanwhile still has the room. The room is ``<out>.partial/reserved``, which complete_or_absent clears first;
+    ``release`` gives it back unused. A file system without the room refuses now, in one line (``kept``: what is
+    still valid)."""
+    tmp = partial(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        fd = os.open(tmp / RESERVED, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # blocks taken, no bytes written (glibc emulates it where unsupported)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        release(out)
+        if (why := refused(e, out)) is None:
+            raise
+        raise write_error(out, why, doing=f"reserving the {human(size)} its export will take", kept=kept) from None
+
+
+def release(out: Path) -> None:
+    """Give back reserve()'s room for ``out`` (a run that ends without exporting); nothing if it was used."""
+    if (partial(out) / RESERVED).is_file():
+        shutil.rmtree(partial(out), ignore_errors=True)

@@ -57,7 +57,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         from torchtitan_rl.grpo.tasks.chat import load_chat_tokenizer
         from torchtitan_rl.run.parts import run_device
         from torchtitan_rl.models.families import resolve_shape
-        from torchtitan_rl.models.hf_folder import check_hf_folder
+        from torchtitan_rl.models.hf_folder import check_hf_folder, check_weights
         from torchtitan_rl.run.folder import run_to_resume
 
     added = parse_sets(args.set or [], prompt_field=args.prompt_field, answer_field=args.answer_field,
@@ -102,6 +102,7 @@ def evaluate(args: argparse.Namespace) -> dict:
             model_dir = str(export_checkpoint(run, out=Path(tmp) / "hf", step=args.step))
             tokenizer_folder = tokenizer_folder or model_dir
         check_hf_folder(model_dir, field="--model")
+        check_weights(model_dir, field="--model")  # the trainer's check of model.hf_checkpoint: vLLM's is a traceback
         tokenizer = load_chat_tokenizer(tokenizer_folder, field="--model")
         max_len = generator_config.max_model_len
         loaded = [

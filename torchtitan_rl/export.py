@@ -17,9 +17,11 @@ At the end of a run, simple_grpo calls ``export_hf`` when ``job.export`` or
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,9 +32,8 @@ from safetensors.torch import save_file
 from torchtitan_rl.run.exits import one_line_errors
 from torchtitan_rl.config import LoRAConfig, load_toml
 from torchtitan_rl.config.validation import tokenizer_dir
-from torchtitan_rl.disk import refused, write_error
+from torchtitan_rl.disk import complete_or_absent, partial, refused, write_error
 from torchtitan_rl.distributed.dtensor import full
-from torchtitan_rl.disk import complete_or_absent
 from torchtitan_rl.run.parts import run_shape, run_task
 from torchtitan_rl.models.families import shape_from_hf_config, to_hf
 from torchtitan_rl.models.lora import apply_lora, merged_state
@@ -86,7 +87,8 @@ def snapshot(run: Path, *, cfg, task, shape: ModelShape) -> Path:
 
 
 def _save_task_tokenizer(task, folder: Path) -> None:
-    """The task's own tokenizer as Hugging Face files that AutoTokenizer loads (tokenizer.json + its config)."""
+    """The task's own tokenizer as Hugging Face files that AutoTokenizer loads (tokenizer.json + its config), with
+    the task's chat template."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -96,7 +98,7 @@ def _save_task_tokenizer(task, folder: Path) -> None:
         for name, token in (("bos_token", "<bos>"), ("unk_token", "<unk>")):  # the digits task's, if it has them
             if tokenizer.token_to_id(token) is not None:
                 specials[name] = token
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=task.chat_template, **specials)
     if isinstance(tokenizer, PreTrainedTokenizerBase):
         tokenizer.save_pretrained(folder)
 
@@ -122,11 +124,13 @@ def export_hf(
     lora: LoRAConfig | None = None,
     dtype: str = "bfloat16",
     hf_checkpoint: str | Path | None = None,
+    kept: Callable[[], str] = lambda: "the tensors given are unchanged",
 ) -> Path:
     """Write ``state`` (the trainer's tensors, e.g. ``Trainer.sync_state()``) as an HF folder.
 
     Collective when ``state`` holds sharded DTensors: every trainer rank
-    calls it, tensors are gathered one at a time, rank 0 writes.
+    calls it, tensors are gathered one at a time, rank 0 writes. ``kept``: where the weights still are when the
+    file system refuses the export (asked then only: it may verify a checkpoint).
     """
     out = check_target(out_dir)
     if shape.load_balance_coeff:
@@ -160,10 +164,34 @@ def export_hf(
         why = refused(e, out)
         if why is None:
             raise
-        raise write_error(out, why, doing="exporting", kept=f"nothing written there ({out.name}.partial removed); "
-                          "the run's checkpoints are untouched and `python -m torchtitan_rl.export` writes it again "
-                          "elsewhere") from None
+        tmp = partial(out)
+        left = f"{tmp.name} could not be removed" if tmp.exists() else f"{tmp.name} removed"
+        raise write_error(out, why, doing="exporting", kept=f"nothing written there ({left}); {kept()}") from None
     return out
+
+
+def export_size(shape: ModelShape, *, dtype: str, files: Path) -> int:
+    """Bytes an export takes on disk, at most: model.safetensors (tensors and header), the files it copies from
+    ``files`` (export_files: config, tokenizer) and a generation_config.json, each in whole 4 KiB blocks, and
+    64 KiB to spare (config.json gains its dtype)."""
+    shapes = _expected_hf_shapes(shape)
+    weights = sum(math.prod(s) for s in shapes.values()) * getattr(torch, dtype).itemsize
+    header = 256 * len(shapes)  # per tensor its name, dtype, shape and offsets in JSON: ~100 bytes
+    sizes = [weights + header, 4096] + [p.stat().st_size for p in Path(files).iterdir() if p.is_file()]
+    return sum(-(-size // 4096) * 4096 for size in sizes) + (64 << 10)
+
+
+def weights_left(run: Path, cfg) -> str:
+    """Where a run's trained weights are when its end-of-run export failed, and the command that exports them."""
+    found = checkpoint.newest_verified(run / cfg.trainer.checkpoint.folder, say=lambda _: None)
+    if found is None:
+        return "the trained weights are lost: the run saved no checkpoint (--trainer.checkpoint.enable keeps them)"
+    step, path = found
+    command = f"`python -m torchtitan_rl.export --run-dir {run} --step {step} --out DIR` exports it"
+    if step == cfg.trainer.steps:
+        return f"the trained weights are in {path}, which verifies: {command}"
+    return (f"what steps {step}..{cfg.trainer.steps - 1} trained is lost; {path} verifies: {command}, and "
+            "--resume trains them again")
 
 
 def _write_folder(out: Path, hf_state: dict, *, shape: ModelShape, tokenizer_dir, hf_checkpoint, dtype: str) -> None:
@@ -257,6 +285,7 @@ def export_checkpoint(run_dir: str | Path, *, out: str | Path, step: int | None 
     return export_hf(
         dict(model.named_parameters()), shape=shape, out_dir=out, tokenizer_dir=files, hf_checkpoint=model_files,
         lora=cfg.model.lora, dtype=cfg.model.dtype,
+        kept=lambda: f"{path} is untouched: the same command with another --out writes it",
     )
 
 

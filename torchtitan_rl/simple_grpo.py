@@ -15,7 +15,7 @@ from torchtitan_rl import collector
 from torchtitan_rl.run.exits import RankExits, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict
-from torchtitan_rl.disk import refused, write_error
+from torchtitan_rl.disk import refused, release, reserve, write_error
 
 DRY_RUN_TOML = "dry-run.toml"
 """What --dry-run writes into job.output_dir: the resolved config."""
@@ -71,7 +71,7 @@ def train(cfg: JobConfig) -> list[dict]:
         from torchtitan_rl.distributed.process_group import init_process_group
         from torchtitan_rl.distributed.world import init_world
         from torchtitan_rl.engine.engine import check_sleep
-        from torchtitan_rl.export import snapshot
+        from torchtitan_rl.export import SNAPSHOT, export_size, snapshot
         from torchtitan_rl.grpo.builder import BatchBuilder
         from torchtitan_rl.grpo.eval_sets import load_eval_sets
         from torchtitan_rl.grpo.evaluate import Evaluator
@@ -87,7 +87,7 @@ def train(cfg: JobConfig) -> list[dict]:
     started = time.perf_counter()
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     # parse_args checked the config against torchrun's world; train(cfg) may come from Python.
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device.type)
     check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)
@@ -123,7 +123,9 @@ def train(cfg: JobConfig) -> list[dict]:
     # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
     plan = agree(cfg, store=world.store if world else None)
     out = plan.folder
-    export_dir = cfg.job.export_dir or (out / "hf" if cfg.job.export else None)  # <run>/hf: new, or set aside
+    export_dir = out / "hf" if cfg.job.export else None  # <run>/hf: new, or set aside
+    if cfg.job.export_dir is not None:
+        export_dir = Path(cfg.job.export_dir)
 
     def build_trainer() -> Trainer:
         return Trainer(
@@ -157,6 +159,9 @@ def train(cfg: JobConfig) -> list[dict]:
                 queue.load_state_dict(trainer.load_checkpoint(plan.checkpoint), step=trainer.step)
                 start = trainer.step
             builder = BatchBuilder(cfg, task=task, trainer=trainer, reference=reference, device=device)
+            if export_dir is not None and rank == 0:  # the export's room, held until it is written
+                reserve(export_dir, export_size(shape, dtype=cfg.model.dtype, files=out / SNAPSHOT),
+                        kept="nothing trained; free space there or pick another --job.export_dir")
         if rank == 0:
             publish(out)  # everything stands: --resume now continues this run
         # A resume keeps the history before its step and drops what the lost steps logged: each step once.
@@ -204,6 +209,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,
                 generate_s=rollouts.generate_s, wait_rollouts_s=wait_s, generator_idle_s=rollouts.idle_s,
+                tail=rollouts.trace.metrics() if rollouts.trace is not None else {},
                 train_s=train_s, step_s=time.perf_counter() - t_step,
             )
             logger.log(step, record.as_dict())
@@ -225,6 +231,8 @@ def train(cfg: JobConfig) -> list[dict]:
     finally:
         if generator is not None:
             generator.close()
+        if export_dir is not None and rank == 0:
+            release(export_dir)  # a run that ended before its export: the room it held
 
 
 def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> None:
@@ -262,11 +270,11 @@ def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run
     if evaluator:
         final_evaluation(cfg, evaluator, generator, trainer, logger)
     if export_dir is not None:  # every trainer rank: sharded tensors are gathered
-        from torchtitan_rl.export import SNAPSHOT, export_hf
+        from torchtitan_rl.export import SNAPSHOT, export_hf, weights_left
 
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
                   tokenizer_dir=run / SNAPSHOT, hf_checkpoint=run / SNAPSHOT, lora=cfg.model.lora,
-                  dtype=cfg.model.dtype)
+                  dtype=cfg.model.dtype, kept=lambda: weights_left(run, cfg))
     plot = logger.close()
     if summary and logger.history:
         _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)

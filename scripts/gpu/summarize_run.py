@@ -14,8 +14,9 @@ import statistics
 import sys
 from pathlib import Path
 
-KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "generator_idle_s", "gen_tokens_per_s")
-"""Per-step timings of metrics.jsonl (torchtitan_rl/run/metrics.py StepRecord) whose medians the tables show."""
+KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "generator_idle_s", "gen_tokens_per_s",
+        "gen_tail_share", "gen_batch_fill", "gen_preemptions")
+"""Per-step numbers of metrics.jsonl (torchtitan_rl/run/metrics.py StepMetrics) whose medians the tables show."""
 
 
 def metrics_file(output_dir: Path) -> Path | None:

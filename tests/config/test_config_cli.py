@@ -131,6 +131,12 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--grpo.group_size", "1"], 1, "grpo.group_size: must be >= 2"),
         (["--grpo.prompts_per_step", "0"], 1, "grpo.prompts_per_step: must be >= 1"),
         (["--trainer.micro_batch_size", "0"], 1, "trainer.micro_batch_size: must be >= 1"),
+        (["--trainer.micro_batch_tokens", "32"], 1,
+         "trainer.micro_batch_tokens: 32 tokens is less than generator.max_model_len 64, the longest row"),
+        (["--trainer.recompute_micro_batch_tokens", "63"], 1, "trainer.recompute_micro_batch_tokens: 63 tokens"),
+        (["--grpo.task_without_checkpoint", "digits", "--grpo.harness_lengths.distribution", "lognormal",
+          "--weight_sync.transport", "server", "--serve.token", "t"], 1,
+         "grpo.harness_lengths: drawn lengths are set by the in-process engine"),
         (["--grpo.clip_eps_high", "1.0"], 1, "grpo.clip_eps_high: must be in [0, 1)"),
         (["--grpo.clip_eps_low", "-0.1"], 1, "grpo.clip_eps_low: must be in [0, 1)"),
         (["--grpo.max_staleness", "-1"], 1, "grpo.max_staleness: must be >= 0"),
@@ -169,6 +175,26 @@ def test_impossible_combination_names_the_field(tmp_path, args, world_size, expe
     proc = run_cli(*args, "--job.output_dir", str(tmp_path), world_size=world_size)
     assert_one_line_error(proc, expected)
     assert not (tmp_path / "config.toml").exists() and not (tmp_path / "dry-run.toml").exists()
+
+
+def test_cpu_offload_on_a_cpu_run_is_refused_naming_the_field(tmp_path):
+    """It moves the trainer's state into host memory, where a CPU run has it: it meant nothing and was accepted
+    silently. job.device cpu is refused at parsing; 'auto' when the run finds no GPU, before anything loads."""
+    import torch
+
+    from torchtitan_rl import simple_grpo
+
+    proc = run_cli("--config", "run_configs/cpu_tiny.toml", "--trainer.cpu_offload", "--job.output_dir",
+                   str(tmp_path), "--dry-run")
+    assert_one_line_error(proc, "trainer.cpu_offload: moves the trainer's state from the GPU into host memory, "
+                                "where a CPU run (job.device cpu) keeps it already; set it false")
+    if torch.cuda.is_available():
+        return
+    cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
+    cfg.job.device, cfg.trainer.cpu_offload, cfg.job.output_dir = "auto", True, str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"^trainer\.cpu_offload: moves the trainer's state"):
+        simple_grpo.train(cfg)
+    assert not (tmp_path / "out").exists()
 
 
 def test_parallel_degrees_that_fit_the_world_size_are_accepted(tmp_path):

@@ -34,7 +34,7 @@ def test_defaults_are_valid_and_generator_keeps_its_own_parallelism_default():
     assert cfg.generator.parallelism.data_parallel_shard_degree == 1
 
 
-@pytest.mark.parametrize("name", ["cpu_tiny", "qwen3_0.6b"])
+@pytest.mark.parametrize("name", ["cpu_tiny", "qwen3_0.6b", "qwen3_0.6b_long_tail", "qwen3_1.7b_long_tail"])
 def test_run_configs_load_strictly_and_validate(name):
     cfg = load_toml(REPO / "run_configs" / f"{name}.toml")
     validate(cfg)

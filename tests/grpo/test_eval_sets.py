@@ -72,13 +72,26 @@ def test_sets_need_an_evaluation_interval_distinct_names_and_a_chat_tokenizer(sm
     with pytest.raises(ValueError, match=r"^eval.every_n_steps: eval.sets are scored every N steps"):
         validate(cfg)
     cfg.eval.every_n_steps = 2
-    with pytest.raises(ValueError, match=r"^eval.sets\[0\]: a named set is asked in the chat template"):
+    with pytest.raises(ValueError, match=r"^eval.sets: a named set is asked in the chat template"):
         validate(cfg)
     cfg.task.tokenizer = str(smollm2_dir)
     validate(cfg)  # digits has no held-out set of its own; the named set is enough
     cfg.eval.sets = cfg.eval.sets * 2
     with pytest.raises(ValueError, match=r"^eval.sets: names must differ"):
         validate(cfg)
+
+
+def test_a_set_added_to_cpu_tiny_is_refused_once_naming_every_problem(tmp_path):
+    """cpu_tiny + [[eval.sets]]: no eval.every_n_steps, no chat template, a set file that is not there. One
+    refusal names all three (before: the first only, then the next after each fix)."""
+    config = tmp_path / "config.toml"
+    config.write_text((REPO / "run_configs" / "cpu_tiny.toml").read_text()
+                      + f'\n[[eval.sets]]\nname = "mine"\npath = "{tmp_path / "missing.jsonl"}"\n')
+    proc = run_cli("--config", str(config), "--job.output_dir", str(tmp_path / "out"), "--dry-run")
+    line = assert_one_line_error(proc)
+    assert line == ("config error: eval.every_n_steps: eval.sets are scored every N steps; set N > 0 | eval.sets: a "
+                    "named set is asked in the chat template of task.tokenizer or model.hf_checkpoint; set one | "
+                    f"eval.sets[0].path: not found: {tmp_path / 'missing.jsonl'}"), line
 
 
 def test_a_set_renders_in_the_chat_template_with_its_own_instruction_and_verifies(tokenizer):

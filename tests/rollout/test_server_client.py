@@ -1,4 +1,5 @@
-"""The trainer's side of the rollout server when the server is missing or dies: one line naming it.
+"""The trainer's side of the rollout server when the server is missing or dies: one line naming it; its serve
+section's checks (secrets, TLS files).
 
 No engine here: a port nobody listens on, and a real socket peer that hangs
 up on every request (a server killed mid-answer).
@@ -6,6 +7,7 @@ up on every request (a server killed mid-answer).
 
 import json
 import socket
+import ssl
 import threading
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from tests.helpers import free_port
 from torchtitan_rl.config import JobConfig, load_toml, to_toml
 from torchtitan_rl.config.validation import check_serve, redacted_dict
-from torchtitan_rl.rollout.server_client import ServerClient, ServerGone
+from torchtitan_rl.rollout.server_http import ServerClient, ServerGone
 
 
 def test_a_trainer_waiting_for_its_server_says_so_every_few_seconds_then_names_it(capsys):
@@ -67,3 +69,34 @@ def test_binding_beyond_loopback_requires_an_api_key():
     check_serve(cfg)
     cfg.serve.host, cfg.serve.api_key = "127.0.0.1", ""
     check_serve(cfg)
+
+
+def test_tls_files_that_are_missing_or_do_not_load_are_one_line_naming_the_field(tmp_path):
+    from torchtitan_rl.serving.protocol import check_server_tls, client_tls
+
+    cfg = JobConfig()
+    cfg.serve.token, cfg.serve.ssl_keyfile = "t", str(tmp_path / "server.key")
+    with pytest.raises(ValueError, match="serve.ssl_certfile: set it too"):
+        check_serve(cfg)
+    cfg.serve.ssl_certfile = str(tmp_path / "server.crt")
+    with pytest.raises(ValueError, match=f"serve.ssl_certfile: no such file: {tmp_path / 'server.crt'}"):
+        check_server_tls(cfg.serve)
+    (tmp_path / "server.crt").write_text("not a certificate\n")
+    (tmp_path / "server.key").write_text("not a key\n")
+    with pytest.raises(ValueError, match=r"serve.ssl_certfile: cannot load .*server.crt with serve.ssl_keyfile"):
+        check_server_tls(cfg.serve)
+    cfg.serve.ssl_cafile = str(tmp_path / "ca.pem")
+    with pytest.raises(ValueError, match="serve.ssl_cafile: cannot load"):
+        client_tls(cfg.serve)
+
+
+def test_the_trainer_uses_https_when_the_serve_section_has_a_certificate_or_a_ca():
+    from torchtitan_rl.serving.protocol import base_url, client_tls
+
+    cfg = JobConfig()
+    cfg.serve.host, cfg.serve.port = "0.0.0.0", 8443
+    assert (base_url(cfg.serve), client_tls(cfg.serve)) == ("http://127.0.0.1:8443", None)
+    assert cfg.serve.in_clear_beyond_loopback()
+    cfg.serve.ssl_certfile = "server.crt"  # the same section the server reads: it speaks TLS
+    assert base_url(cfg.serve) == "https://127.0.0.1:8443" and not cfg.serve.in_clear_beyond_loopback()
+    assert client_tls(cfg.serve).verify_mode == ssl.CERT_REQUIRED and client_tls(cfg.serve).check_hostname

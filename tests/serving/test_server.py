@@ -3,7 +3,9 @@
 One server (run_configs/cpu_tiny.toml, real vLLM CPU engine) serves the whole
 module; this process plays the trainer (ServerGenerator: the same client the
 GRPO loop uses), and for the crash tests a trainer subprocess that dies in
-the middle of a sync. The tests run in file order: the first two need a
+the middle of a sync, stalls, lives on through a long "train step" or
+freezes its server (server_trainer_worker.py); the TLS test starts a server
+of its own. The tests run in file order: the first two need a
 server that has not been synced yet. The server gets its token and API key
 from the environment.
 """
@@ -14,8 +16,10 @@ import http.client
 import json
 import os
 import random
+import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -49,6 +53,9 @@ PER_CLIENT = 100
 """serve.max_requests_per_client of the server: above the 429 test's 72 clients (all from 127.0.0.1)."""
 READ_TIMEOUT_S = 3.0
 """serve.read_timeout_s of the server: a slow client's headers or body are cut off after this."""
+LEASE_S = 3.0
+"""serve.session_lease_s of the server: a trainer that sends no request for this long may be replaced without
+serve.takeover (its heartbeat runs every fifth of it)."""
 
 
 def _config(port: int, out: Path):
@@ -62,16 +69,22 @@ def _config(port: int, out: Path):
 
 
 @contextlib.contextmanager
-def _server_process(out: Path):
-    """A server process on 127.0.0.1, up and answering; yields (its config, the process)."""
+def _server_process(out: Path, *, cert: Path | None = None, key: Path | None = None):
+    """A server process on 127.0.0.1, up and answering (over https with ``cert`` and ``key``, which the trainer
+    side then trusts); yields (its config, the process)."""
     cfg = _config(free_port(), out / "trainer")
+    tls = []
+    if cert is not None:
+        cfg.serve.ssl_cafile = str(cert)
+        tls = ["--serve.ssl_certfile", str(cert), "--serve.ssl_keyfile", str(key)]
     log = open(out / "server.log", "w")
     proc = subprocess.Popen(  # the secrets from the environment, as a user keeps them out of `ps`
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(out / "server"),
          "--serve.port", str(cfg.serve.port),
          "--generator.wait_for_weights_s", str(WAIT_S), "--weight_sync.peer_timeout_s", "60",
          "--serve.sync_timeout_s", str(SYNC_TIMEOUT_S), "--serve.max_concurrent_requests", str(MAX_REQUESTS),
-         "--serve.max_requests_per_client", str(PER_CLIENT), "--serve.read_timeout_s", str(READ_TIMEOUT_S)],
+         "--serve.max_requests_per_client", str(PER_CLIENT), "--serve.read_timeout_s", str(READ_TIMEOUT_S),
+         "--serve.session_lease_s", str(LEASE_S), *tls],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "TORCHTITAN_RL_SERVE_TOKEN": TOKEN, "TORCHTITAN_RL_API_KEY": API_KEY},
     )
@@ -101,21 +114,34 @@ def server(tmp_path_factory):
 
 
 def _request(cfg, method: str, path: str, body=None, *, raw: bytes | None = None, token: str | None = None,
-             timeout: float = 120):
+             timeout: float = 120, content_type: str = "application/json", scheme: str = "Bearer"):
     """(status, headers, JSON body) of one request; HTTP errors are returned, not raised. /v1 requests carry the
     API key unless a ``token`` is given ("" for none)."""
+    from torchtitan_rl.serving.protocol import base_url, client_tls
+
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(f"http://127.0.0.1:{cfg.serve.port}{path}", data=data, method=method)
-    req.add_header("Content-Type", "application/json")
+    req = urllib.request.Request(f"{base_url(cfg.serve)}{path}", data=data, method=method)
+    req.add_header("Content-Type", content_type)
     if token is None and path.startswith("/v1/"):
         token = API_KEY
     if token:
-        req.add_header("Authorization", f"Bearer {token}")
+        req.add_header("Authorization", f"{scheme} {token}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=client_tls(cfg.serve)) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
+
+
+def _post_without_content_type(cfg, path: str, body: dict, *, token: str) -> tuple[int, dict]:
+    """(status, JSON body) of a POST that says no Content-Type (urllib always sends one)."""
+    conn = http.client.HTTPConnection("127.0.0.1", cfg.serve.port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Authorization": f"Bearer {token}"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
 
 
 def _get(cfg, path: str) -> dict:
@@ -323,6 +349,19 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
         (_request(server, "POST", "/control/store", [1], token=TOKEN), 400, "a JSON object"),
         (_request(server, "POST", "/control/store", {"op": "get", "key": "x"}, token=TOKEN), 403,
          "not in a live sync session's keys"),
+        # A body that says it is not JSON is not read as JSON (before: parsed anyway); curl -d says it is a form.
+        (_request(server, "POST", "/v1/completions", {"model": "torchtitan_rl", "prompt": [1]},
+                  content_type="text/plain"), 415, "'text/plain' is not JSON; send 'Content-Type: application/json'"),
+        (_request(server, "POST", "/v1/completions", {"model": "torchtitan_rl", "prompt": [1]},
+                  content_type="application/x-www-form-urlencoded"), 415, "-H 'Content-Type: application/json'"),
+        (_request(server, "POST", "/control/connect", {}, token=TOKEN, content_type="text/plain"), 415,
+         "is not JSON"),
+        # A field the control endpoint does not take is refused, as the config refuses an unknown key (before:
+        # ignored, and the connect replaced the running trainer).
+        (_request(server, "POST", "/control/connect", {"takeover": True, "trainer_ranks": 1}, token=TOKEN), 422,
+         "trainer_ranks: unknown field; /control/connect takes takeover"),
+        (_request(server, "POST", "/control/store", {"op": "check", "keys": ["x"], "ttl": 1}, token=TOKEN), 422,
+         "ttl: unknown field"),
     ]
     for (status, _, body), want, text in cases:
         assert status == want, (want, text, body)
@@ -334,10 +373,31 @@ def test_bad_requests_get_4xx_with_a_reason_and_the_server_keeps_serving(server)
     assert status == 200, body
     status, _, body = _complete(server, top_k=1, logprobs=2)
     assert status == 200 and min(body["choices"][0]["logprobs"]["top_logprobs"][0].values()) == -9999.0, body
+    # No Content-Type at all: read as JSON (minimal clients send none).
+    status, body = _post_without_content_type(server, "/v1/completions", {
+        "model": "torchtitan_rl", "prompt": PROMPTS[0], "max_tokens": 2}, token=API_KEY)
+    assert status == 200, body
+    # RFC 7235: the scheme is case-insensitive (before: 'bearer' got 401).
+    for scheme in ("bearer", "BEARER", "Bearer "):
+        status, _, body = _request(server, "GET", "/v1/models", scheme=scheme)
+        assert status == 200, (scheme, body)
     # Only the current session's trainer can end it.
     status, _, body = _request(server, "POST", "/control/disconnect", {"session": "not-the-current"}, token=TOKEN)
     assert status == 200 and body["ended"] is False, body
     assert _get(server, "/v1/models")["data"][0]["id"] == "torchtitan_rl"
+
+
+def test_the_readmes_curl_example_is_answered(server):
+    """README's curl line, as a user pastes it (its -H 'Content-Type: application/json': curl -d alone says
+    application/x-www-form-urlencoded, which gets 415)."""
+    _ensure_weights(server)
+    line = next(line for line in (REPO / "README.md").read_text().splitlines()
+                if line.startswith("curl ") and "/v1/completions" in line)
+    args = shlex.split(line.replace("localhost:8000", f"127.0.0.1:{server.serve.port}"))
+    out = subprocess.run([*args, "-H", f"Authorization: Bearer {API_KEY}"], capture_output=True, text=True,
+                         timeout=60)
+    body = json.loads(out.stdout)
+    assert body.get("weight_version") is not None and body["choices"][0]["token_ids"], body
 
 
 def _listeners(port: int) -> list[str]:
@@ -436,7 +496,7 @@ def test_a_tokenless_peer_at_every_server_port_cannot_deny_or_fill_a_sync(server
 
 
 def test_the_sync_store_is_bounded_by_serve_sync_store_mb_and_dropped_two_sessions_later(server):
-    from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
+    from torchtitan_rl.rollout.server_http import HttpStore, ServerClient, ServerError
 
     trainer = _connect(server)
     store = HttpStore(ServerClient(f"http://127.0.0.1:{server.serve.port}", token=TOKEN), timeout_s=10)
@@ -466,7 +526,7 @@ def _rejected(cfg, what: str) -> int:
 
 
 def test_a_forged_or_replayed_sync_header_is_rejected_and_changes_nothing(server):
-    from torchtitan_rl.rollout.server_client import HttpStore, ServerClient, ServerError
+    from torchtitan_rl.rollout.server_http import HttpStore, ServerClient, ServerError
 
     trainer = _connect(server)
     models = {40: trainer_model(seed=40), 41: trainer_model(seed=41)}
@@ -614,7 +674,7 @@ def test_slow_uploads_from_one_address_are_capped_and_cut_off_while_other_client
 
 
 def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server):
-    from torchtitan_rl.rollout.server_client import ServerGone
+    from torchtitan_rl.rollout.server_http import ServerGone
 
     first = _connect(server)
     first.sync(native_state(trainer_model(seed=50)), version=50)
@@ -640,6 +700,100 @@ def test_a_second_trainer_replaces_the_first_which_is_told_so_in_one_line(server
     with pytest.raises(ServerGone, match="replaced"):
         first.rollouts(PROMPTS[:1])
     assert second.rollouts(PROMPTS[:1]).weight_version == 0
+
+
+def _worker(cfg, *args: str) -> subprocess.Popen:
+    """tests/serving/server_trainer_worker.py against the server of ``cfg``, its output piped."""
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("server_trainer_worker.py")), str(cfg.serve.port), TOKEN,
+         API_KEY, *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _until_line(proc: subprocess.Popen, line: str) -> None:
+    """Read the worker's stdout until ``line``."""
+    for out in proc.stdout:
+        if out.strip() == line:
+            return
+    pytest.fail(f"the worker ended before it said {line!r}: exit {proc.wait()}: {proc.stderr.read()[-2000:]}")
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_is_replaced_without_takeover_once_its_lease_runs_out_and_a_live_one_is_kept(server):
+    """Before: after kill -9 of the trainer, every new trainer got 409 until it passed serve.takeover."""
+    from torchtitan_rl.rollout.server_http import ServerGone
+
+    polite = dataclasses.replace(server, serve=dataclasses.replace(server.serve, takeover=False))
+    worker = _worker(server, "0", "live")  # connects, syncs version 30, then "trains" for an hour
+    try:
+        _until_line(worker, "training")
+        time.sleep(2 * LEASE_S)  # a long train step: only its heartbeat renews the lease
+        started = time.monotonic()
+        with pytest.raises(ServerGone, match=r"a trainer is connected \(session [0-9a-f]{8}, since [0-9:]{8}\); "
+                                             r"connect with .*; or stop that trainer first") as refused:
+            _connect(polite)  # waits once for the lease, which the live trainer renews: then one line
+        assert time.monotonic() - started < LEASE_S + 3
+        status, _, body = _complete(server)
+        assert status == 200 and body["weight_version"] == 30, body  # still the live trainer's weights
+        worker.kill()  # kill -9: no disconnect, no goodbye
+        worker.wait(timeout=30)
+        trainer = _connect(polite)  # no serve.takeover: it waits out the dead trainer's lease by itself
+        trainer.sync(native_state(trainer_model(seed=33)), version=33)
+        status, _, body = _complete(server)
+        assert status == 200 and (body["weight_version"], body["weight_session"]) == (33, trainer.session), body
+        assert "(its lease ran out: no request for" in server.log.read_text()
+        assert f"or after its lease runs out ({LEASE_S:g} s without a request from it, serve.session_lease_s)" in \
+            str(refused.value) and "\n" not in str(refused.value)
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_frozen_server_ends_the_trainer_within_peer_timeout_s_with_one_line(server):
+    """The server stopped (SIGSTOP) in the middle of a sync: the trainer says so in one line within its
+    weight_sync.peer_timeout_s and a few seconds, and exits (before: one peer_timeout_s per part, the gloo send,
+    the session check, /health and the disconnect: 125 s at 60 s)."""
+    timeout_s = 6.0
+    ended = server.log.read_text().count("ended:")
+    worker = _worker(server, "1", "stop-server", str(server.pid), str(timeout_s))
+    said = []  # (seconds after the stop, line) of the worker's stderr
+
+    def read_stderr() -> None:
+        for line in worker.stderr:
+            said.append((time.monotonic() - stopped, line.rstrip("\n")))
+
+    try:
+        _until_line(worker, "server stopped")
+        stopped = time.monotonic()
+        reader = threading.Thread(target=read_stderr, daemon=True)
+        reader.start()
+        rc = worker.wait(timeout=4 * timeout_s + 60)
+        exited = time.monotonic() - stopped
+        reader.join(timeout=10)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        worker.kill()
+        worker.wait(timeout=30)
+    lines = [(t, line) for t, line in said if line.strip()]
+    assert rc == 2 and len(lines) == 1 and not any("Traceback" in line for _, line in said), (rc, said[-20:])
+    took, line = lines[0]
+    # The deadline runs from the sync's start, before the stop; then a 2 s probe of /health. The process's own
+    # teardown (torch, gloo) takes seconds more on a loaded 2-core machine.
+    assert took < timeout_s + 5, (took, line)
+    assert exited < timeout_s + 20, exited
+    assert line.startswith(f"torchtitan_rl: error: rollout server http://127.0.0.1:{server.serve.port}: the sync "
+                           f"of version 31 did not finish within weight_sync.peer_timeout_s ({timeout_s:g} s)"), line
+    assert line.endswith("it does not answer (stopped?)"), line
+    deadline = time.monotonic() + SYNC_TIMEOUT_S + 30  # the server, running again, ends that sync and serves on
+    while server.log.read_text().count("ended:") < ended + 1:
+        assert time.monotonic() < deadline, server.log.read_text()[-2000:]
+        time.sleep(0.1)
+    trainer = _connect(server)
+    trainer.sync(native_state(trainer_model(seed=34)), version=34)
+    status, _, body = _complete(server)
+    assert status == 200 and body["weight_version"] == 34, body
 
 
 @pytest.mark.slow
@@ -735,7 +889,7 @@ def test_a_trainer_killed_mid_sync_leaves_the_previous_version_or_nothing_never_
 
 @pytest.mark.slow
 def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
-    from torchtitan_rl.rollout.server_client import ServerGone
+    from torchtitan_rl.rollout.server_http import ServerGone
 
     with _server_process(tmp_path) as (cfg, proc):
         trainer = _connect(cfg)
@@ -749,6 +903,97 @@ def test_a_server_killed_under_its_trainer_is_named_in_one_line(tmp_path):
         assert "it does not answer" in str(e.value) and "\n" not in str(e.value)
         with pytest.raises(ServerGone, match=f"rollout server {url}: no answer to POST /v1/completions"):
             trainer.rollouts(PROMPTS[:1])
+
+
+def _self_signed(folder: Path, name: str) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files ``name``.crt, ``name``.key)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"torchtitan_rl test {name}")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False,
+                                         key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.mark.slow
+def test_over_https_an_untrusting_trainer_is_refused_in_one_line_and_a_trusting_one_trains(tmp_path):
+    """serve.ssl_certfile/ssl_keyfile: the server speaks TLS only; the trainer verifies its certificate against
+    serve.ssl_cafile (before: the token travelled in clear, and neither side had a TLS option)."""
+    from tests.helpers import assert_one_line_error, run_cli
+    from torchtitan_rl import simple_grpo
+    from torchtitan_rl.rollout.server_http import ServerClient
+
+    cert, key = _self_signed(tmp_path, "server")
+    other, _ = _self_signed(tmp_path, "other")
+    with _server_process(tmp_path, cert=cert, key=key) as (cfg, _):
+        url = f"https://127.0.0.1:{cfg.serve.port}"
+        assert f"torchtitan_rl serve: {url} " in cfg.log.read_text()
+        assert "travel in clear" not in cfg.log.read_text()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain-HTTP door: no token in clear
+            urllib.request.urlopen(f"http://127.0.0.1:{cfg.serve.port}/health", timeout=10)
+        for trusted in ("", str(other)):  # the system's CAs, or another certificate
+            started = time.monotonic()
+            proc = run_cli("--config", str(CPU_TINY), "--job.output_dir", str(tmp_path / "refused"),
+                           "--weight_sync.transport", "server", "--serve.port", str(cfg.serve.port),
+                           "--serve.token", TOKEN, "--serve.api_key", API_KEY, "--serve.ssl_certfile", str(cert),
+                           "--serve.ssl_cafile", trusted, "--weight_sync.peer_timeout_s", "60")
+            assert_one_line_error(proc, f"rollout server {url}: its TLS certificate failed verification",
+                                  "set serve.ssl_cafile", prefix="torchtitan_rl: error: ")
+            assert time.monotonic() - started < 50  # refused at once, not after waiting peer_timeout_s
+        cfg.trainer.steps = 2  # trusts the server's own certificate (serve.ssl_cafile): trains
+        history = simple_grpo.train(cfg)
+        assert [r["weight_version"] for r in history] == [0, 1]
+        assert ServerClient(url, tls=ssl.create_default_context(cafile=str(cert))).request(
+            "GET", "/health")["syncs"] == 2
+
+
+def test_a_server_beyond_loopback_over_plain_http_says_so_at_start_in_one_line(tmp_path):
+    """Before: nothing said that serve.token would cross the network in clear."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
+         "--serve.host", "0.0.0.0", "--serve.port", str(free_port())],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TORCHTITAN_RL_SERVE_TOKEN": TOKEN, "TORCHTITAN_RL_API_KEY": API_KEY},
+    )
+    lines = []
+
+    def read() -> None:  # until the warning, or the line that says the server is up (then it said nothing)
+        for line in proc.stdout:
+            lines.append(line)
+            if "travel in clear" in line or line.startswith("torchtitan_rl serve: http"):
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=300)
+    proc.kill()
+    proc.wait(timeout=30)
+    said = [line for line in lines if "travel in clear" in line]
+    assert len(said) == 1 and said[0].startswith("torchtitan_rl serve: warning: serve.host 0.0.0.0 is reachable beyond this "
+                                       "machine over plain HTTP: serve.token and serve.api_key travel in clear; set "
+                                       "serve.ssl_certfile and serve.ssl_keyfile"), said
 
 
 def test_a_gloo_socket_ifname_off_the_serve_host_is_one_line_and_exit_2(tmp_path, monkeypatch):
@@ -806,7 +1051,7 @@ def test_chat_completions_with_the_checkpoints_chat_template(smollm2_dir, tmp_pa
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
-        from torchtitan_rl.rollout.server_client import ServerClient
+        from torchtitan_rl.rollout.server_http import ServerClient
 
         ServerClient(f"http://127.0.0.1:{cfg.serve.port}").wait_ready(180)
         messages = [{"role": "user", "content": "What is 2 + 3? Reply with the number only."}]

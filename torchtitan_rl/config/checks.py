@@ -5,7 +5,34 @@ Each raises ``ValueError("section.field: message")``; no torch here (``--help`` 
 
 import dataclasses
 import math
+import re
+from collections.abc import Callable
 from typing import Any
+
+
+class Problems:
+    """The ValueErrors of independent checks, raised as one (``A | B``): a config with several mistakes is
+    refused once, naming each, not once a mistake."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+        self._fields: list[str] = []
+
+    def check(self, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Run ``check``; keep its ValueError's message (the first problem it finds) unless the message names a
+        field an earlier problem is about: it follows from that one (a NaN is also out of range; 0 prompts a step
+        leave no rows for grpo.mini_batches)."""
+        try:
+            check(*args, **kwargs)
+        except ValueError as e:
+            message = str(e)
+            if not any(re.search(rf"(?<![\w.]){re.escape(field)}(?![\w.\[])", message) for field in self._fields):
+                self.found.append(message)
+                self._fields.append(message.partition(":")[0])
+
+    def raise_any(self) -> None:
+        if self.found:
+            raise ValueError(" | ".join(self.found))
 
 
 def get(cfg: Any, path: str) -> Any:

@@ -187,7 +187,7 @@ class TrainerConfig:
     activation_checkpoint: Literal["none", "full"] = "none"
     """full: keep only each block's input and recompute the block in backward (memory for ~1/3 more compute)."""
     cpu_offload: bool = False
-    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace only."""
+    """FSDP2's CPUOffloadPolicy (torchtitan's training.enable_cpu_offload): parameters, gradients and AdamW state live in host memory and the optimizer steps on the CPU; the device holds the blocks FSDP gathers. For a trainer state (16 bytes a parameter in float32) that does not fit beside the engine; weight_sync.transport inplace, on CUDA only (a CPU run's state is in host memory already)."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trainer's parameters, gradients and AdamW state (torchtitan's training.dtype): float32 masters (16 bytes a parameter) or bfloat16 throughout (8; updates below bf16's resolution of a weight are lost)."""
     max_grad_norm: float = 1.0
@@ -269,11 +269,31 @@ class GeneratorConfig:
 
 
 @dataclass(kw_only=True)
+class HarnessLengthsConfig:
+    """Response lengths of the timing harness: seeded random weights (grpo.task_without_checkpoint, no
+    model.hf_checkpoint) almost never emit eos, so the harness sets each sample's length itself."""
+
+    distribution: Literal["fixed", "lognormal"] = "fixed"
+    """fixed: every sample runs to generator.sampling.max_tokens; lognormal: each sample's length is drawn from a log-normal with this median and p90, capped at generator.sampling.max_tokens, seeded by the request, the prompt's index and the sample's (the same samples in every layout), and the sample runs to exactly that length, eos ignored (engine/lengths.py; the default's sources: docs/design.md, "The long tail"). Ignored with model.hf_checkpoint: real weights stop where they stop."""
+    median: int = 1500
+    """lognormal: median response length in tokens."""
+    p90: int = 5000
+    """lognormal: 90th-percentile response length in tokens (> median); sets the spread."""
+
+    def check(self, path: str) -> None:
+        positive(self, path, "median", "p90")
+        if self.distribution == "lognormal" and self.p90 <= self.median:
+            raise ValueError(f"{path}.p90: must exceed {path}.median ({self.median}), got {self.p90}")
+
+
+@dataclass(kw_only=True)
 class GRPOConfig:
     task: str = "digits"
     """Task: digits[:mode] (own 16-token tokenizer), math, calculator (multi-turn, a tool), dataset, or 'package.module:factory' (README)."""
     task_without_checkpoint: str | None = None
     """Task run instead of grpo.task when model.hf_checkpoint is unset: random weights, a timing harness that learns nothing (e.g. digits, whose ids fit any vocabulary)."""
+    harness_lengths: HarnessLengthsConfig = field(default_factory=HarnessLengthsConfig)
+    """The timing harness's response lengths (grpo.task_without_checkpoint without model.hf_checkpoint): fixed, or drawn from a long-tailed distribution like a reasoning run's."""
     prompts_per_step: int = 16
     """Distinct prompts per step (global)."""
     group_size: int = 8
@@ -318,6 +338,7 @@ class GRPOConfig:
     def check(self, path: str) -> None:
         positive(self, path, "prompts_per_step", "epochs", "mini_batches")
         at_least(self, path, 2, "group_size")
+        self.harness_lengths.check(f"{path}.harness_lengths")
         at_least(self, path, 0, "kl_coef", "max_staleness", "overlong_penalty", "entropy_coef")
         if not self.importance_cap > 1:  # mask keeps [1/cap, cap]: at 1 it would drop almost every token
             raise ValueError(f"{path}.importance_cap: must be > 1, got {self.importance_cap}")
@@ -520,12 +541,31 @@ class ServeConfig:
     config.toml of a run written before still loads (--resume)."""
     takeover: bool = False
     """Trainer side: replace the trainer connected to the server now (it is told so in one line at its next
-    sync); without it, connecting to a server that has a trainer is a one-line error naming this field. A
-    trainer that died between syncs still holds its session: restart it with takeover."""
+    sync). Without it, a trainer that finds another connected waits until that one's session lease runs out
+    (serve.session_lease_s: a crashed trainer's does, so a plain restart reconnects) and otherwise stops with a
+    one-line error naming this field."""
     sync_store_mb: float = 64.0
     """Most MiB the trainer's sync messages (its tensor list, the plans, each sync's header) may hold in the
     server's memory; a write past it gets 413. The store is reached only through /control/store, with
     serve.token."""
+    session_lease_s: float = 30.0
+    """Server side: seconds a trainer's sync session lasts without a request from that trainer (its client
+    renews it every fifth of this while it trains, generates or syncs). A session whose lease ran out (its
+    trainer was killed or is frozen) is replaced by the next trainer that connects, without serve.takeover."""
+    ssl_certfile: str = ""
+    """Server side: PEM certificate (chain) to serve HTTPS with (uvicorn's ssl_certfile); with it the server
+    speaks TLS only, and the trainer connects with https. Without it, a serve.host beyond loopback carries
+    serve.token and serve.api_key in clear (the server says so at start)."""
+    ssl_keyfile: str = ""
+    """Server side: the PEM private key of serve.ssl_certfile (empty: the certificate file holds it)."""
+    ssl_cafile: str = ""
+    """Trainer side: PEM CA bundle, or the server's own self-signed certificate, to verify the server's
+    certificate against; setting it (or serve.ssl_certfile) makes the trainer use https. Empty: the system's
+    CAs. The certificate must name the address the trainer connects to (serve.host; 127.0.0.1 for 0.0.0.0)."""
+
+    def in_clear_beyond_loopback(self) -> bool:
+        """Whether serve.host is reachable from other machines while the server speaks plain HTTP."""
+        return not _loopback(self.host) and not self.ssl_certfile
 
     def check(self, path: str) -> None:
         """Ports, secrets and limits (secrets already filled from the environment: config.validation.check_serve)."""
@@ -541,6 +581,10 @@ class ServeConfig:
                              "machine; set it (or TORCHTITAN_RL_API_KEY), or bind 127.0.0.1")
         positive(self, path, "max_body_mb", "max_n", "sync_timeout_s", "max_concurrent_requests", "sync_store_mb",
                  "max_requests_per_client", "read_timeout_s")
+        positive_float(self, path, "session_lease_s")
+        if self.ssl_keyfile and not self.ssl_certfile:
+            raise ValueError(f"{path}.ssl_certfile: set it too (the certificate of serve.ssl_keyfile "
+                             f"{self.ssl_keyfile}), or drop serve.ssl_keyfile")
 
 
 @dataclass(kw_only=True)

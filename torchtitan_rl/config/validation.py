@@ -2,7 +2,8 @@
 
 Each section checks its own fields (``check`` in job_config.py); here is only
 what needs two sections or the torchrun world size. Every user mistake is a
-``ValueError("field.path: message")``.
+``ValueError("field.path: message")``; ``validate`` runs every independent
+check and refuses a config once, naming each problem.
 """
 
 import dataclasses
@@ -10,18 +11,31 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rl.config.checks import check_finite, get, leaf_types, positive
-from torchtitan_rl.config.job_config import REDACTED, SECRETS, JobConfig
+from torchtitan_rl.config.checks import Problems, check_finite, get, leaf_types, positive
+from torchtitan_rl.config.job_config import REDACTED, SECRETS, EvalSetConfig, HarnessLengthsConfig, JobConfig
 
 _SECTIONS = ("trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
 
 
-def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
-    """Raise ValueError("field.path: message") for impossible settings."""
-    check_finite(cfg)
+def validate(cfg: JobConfig, *, world_size: int = 1, device: str | None = None) -> None:
+    """Raise ValueError("field.path: message") for impossible settings, every independent check's problem in one
+    (``checks.Problems``). ``device``: the device type the run found for job.device 'auto' (a run passes it;
+    parsing, without torch, checks job.device as written)."""
+    problems = Problems()
+    problems.check(check_finite, cfg)
     for name in _SECTIONS:
-        getattr(cfg, name).check(name)
+        problems.check(getattr(cfg, name).check, name)
+    for check in (_check_sampling, _check_lengths, _check_task, _check_harness_lengths, _check_eval):
+        problems.check(check, cfg)
+    for i, s in enumerate(cfg.eval.sets):
+        problems.check(_check_eval_set, cfg, s, where=f"eval.sets[{i}]")
+    problems.check(_check_layout, cfg, world_size=world_size, device=device or cfg.job.device)
+    if cfg.batch_invariant_mode:
+        problems.check(_check_batch_invariant, cfg)
+    problems.raise_any()
 
+
+def _check_sampling(cfg: JobConfig) -> None:
     sampling = cfg.generator.sampling
     if (sampling.top_p < 1 or sampling.top_k != -1) and cfg.grpo.importance_correction != "off":
         # vLLM reports logprobs of the truncated distribution it samples from, the trainer scores the full
@@ -34,7 +48,10 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.grpo.overlong == "soft_penalty" and not 0 < cfg.grpo.overlong_buffer <= sampling.max_tokens:
         raise ValueError(f"grpo.overlong_buffer: must be in [1, generator.sampling.max_tokens "
                          f"{sampling.max_tokens}], got {cfg.grpo.overlong_buffer}")
-    max_tokens, max_len = sampling.max_tokens, cfg.generator.max_model_len
+
+
+def _check_lengths(cfg: JobConfig) -> None:
+    max_tokens, max_len = cfg.generator.sampling.max_tokens, cfg.generator.max_model_len
     if max_tokens >= max_len:
         raise ValueError(
             f"generator.sampling.max_tokens: {max_tokens} leaves no room for a prompt in "
@@ -44,12 +61,19 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
         raise ValueError(
             f"generator.max_model_len: {max_len} exceeds model.max_seq_len {cfg.model.max_seq_len}"
         )
+    for name in ("micro_batch_tokens", "recompute_micro_batch_tokens"):
+        budget = getattr(cfg.trainer, name)
+        if 0 < budget < max_len:  # trainer/micro_batches.py never splits a row: one this long would pass the budget
+            raise ValueError(f"trainer.{name}: {budget} tokens is less than generator.max_model_len {max_len}, the "
+                             f"longest row, and a row is never split over micro-batches; set at least {max_len} "
+                             "(or 0: micro_batch_size rows only)")
     if cfg.generator.load_format == "auto" and cfg.model.hf_checkpoint is None:
         raise ValueError("generator.load_format: 'auto' needs model.hf_checkpoint to be set")
 
-    _check_task(cfg)
-    _check_eval(cfg)
 
+def _check_layout(cfg: JobConfig, *, world_size: int, device: str) -> None:
+    """Where each part runs: the transport, the torchrun world, the parallel degrees and the rows per rank (one
+    chain: each check relies on the ones before)."""
     replicas = cfg.generator.parallelism.data_parallel_replicate_degree
     if cfg.weight_sync.transport == "nccl":
         _check_own_rank_generator(cfg, world_size)
@@ -70,14 +94,14 @@ def validate(cfg: JobConfig, *, world_size: int = 1) -> None:
     if cfg.trainer.cpu_offload and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"trainer.cpu_offload: supported with weight_sync.transport 'inplace' only, got "
                          f"'{cfg.weight_sync.transport}'; use trainer.master_dtype bfloat16 to halve the trainer state")
+    if cfg.trainer.cpu_offload and device == "cpu":
+        raise ValueError("trainer.cpu_offload: moves the trainer's state from the GPU into host memory, where a CPU "
+                         "run (job.device cpu) keeps it already; set it false")
     if cfg.generator.sleep == "weights" and not cfg.weight_sync.enable:
         raise ValueError("generator.sleep: 'weights' drops the engine's weights every step and only a sync brings "
                          "them back; weight_sync.enable false syncs once, use 'kv_cache' or 'off'")
     cfg.trainer.parallelism.check("trainer.parallelism", world_size=world_size, exact=True)
     _check_rows_per_rank(cfg, dp=world_size // cfg.trainer.parallelism.tensor_parallel_degree)
-
-    if cfg.batch_invariant_mode:
-        _check_batch_invariant(cfg)
 
 
 def effective_task(cfg: JobConfig) -> str:
@@ -85,6 +109,34 @@ def effective_task(cfg: JobConfig) -> str:
     if cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None:
         return cfg.grpo.task_without_checkpoint
     return cfg.grpo.task
+
+
+def harness_lengths(cfg: JobConfig) -> HarnessLengthsConfig | None:
+    """The drawn response lengths this run's generates take (engine/lengths.py): grpo.harness_lengths on the
+    timing harness (grpo.task_without_checkpoint without model.hf_checkpoint), else None (lengths as they come,
+    up to generator.sampling.max_tokens)."""
+    lengths = cfg.grpo.harness_lengths
+    harness = cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is not None
+    return lengths if harness and lengths.distribution != "fixed" else None
+
+
+def _check_harness_lengths(cfg: JobConfig) -> None:
+    """grpo.harness_lengths needs the timing harness and a layout whose generate draws them (Engine.generate)."""
+    if cfg.grpo.harness_lengths.distribution == "fixed":
+        return
+    if cfg.model.hf_checkpoint is None and cfg.grpo.task_without_checkpoint is None:
+        raise ValueError(
+            f"grpo.harness_lengths: '{cfg.grpo.harness_lengths.distribution}' sets the timing harness's lengths "
+            "(grpo.task_without_checkpoint without model.hf_checkpoint); set grpo.task_without_checkpoint, or "
+            "distribution 'fixed'")
+    if harness_lengths(cfg) is None:
+        return  # real weights: ignored, as grpo.task_without_checkpoint is
+    if cfg.weight_sync.transport == "server":
+        raise ValueError("grpo.harness_lengths: drawn lengths are set by the in-process engine "
+                         "(weight_sync.transport inplace or nccl), not through the rollout server's HTTP API")
+    if effective_task(cfg).partition(":")[0] == "calculator":
+        raise ValueError("grpo.harness_lengths: drawn lengths are for a single-turn harness task; "
+                         "grpo.task_without_checkpoint 'calculator' plays multi-turn episodes")
 
 
 def tokenizer_dir(cfg: JobConfig) -> str | None:
@@ -119,16 +171,17 @@ def _check_eval(cfg: JobConfig) -> None:
         # Every digit string can be drawn for training: nothing is held out.
         raise ValueError("eval.every_n_steps: grpo.task 'digits' has no held-out set; use 'math' or 'dataset', "
                          "or add eval.sets")
-    for i, s in enumerate(cfg.eval.sets):
-        where = f"eval.sets[{i}]"
-        if tokenizer_dir(cfg) is None:
-            raise ValueError(f"{where}: a named set is asked in the chat template of task.tokenizer or "
-                             "model.hf_checkpoint; set one")
-        if not Path(s.path).exists():
-            raise ValueError(f"{where}.path: not found: {s.path}")
-        if s.max_tokens >= cfg.generator.max_model_len:
-            raise ValueError(f"{where}.max_tokens: {s.max_tokens} leaves no room for a prompt in "
-                             f"generator.max_model_len {cfg.generator.max_model_len}")
+    if cfg.eval.sets and tokenizer_dir(cfg) is None:
+        raise ValueError("eval.sets: a named set is asked in the chat template of task.tokenizer or "
+                         "model.hf_checkpoint; set one")
+
+
+def _check_eval_set(cfg: JobConfig, s: EvalSetConfig, *, where: str) -> None:
+    if not Path(s.path).exists():
+        raise ValueError(f"{where}.path: not found: {s.path}")
+    if s.max_tokens >= cfg.generator.max_model_len:
+        raise ValueError(f"{where}.max_tokens: {s.max_tokens} leaves no room for a prompt in "
+                         f"generator.max_model_len {cfg.generator.max_model_len}")
 
 
 def _check_rows_per_rank(cfg: JobConfig, *, dp: int) -> None:

@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from torchtitan_rl import collector, compat
-from torchtitan_rl.config import GeneratorConfig, LoRAConfig, ModelConfig, SamplingConfig
+from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.engine.in_process import build_llm_engine
+from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.moe import RouteLog, fill_shared_prompts
 from torchtitan_rl.engine.rollouts import Done, Rollouts
+from torchtitan_rl.engine.trace import TraceRecorder
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 
@@ -75,8 +77,10 @@ def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
 
 
 def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed: int | None, logprobs: int = 0,
-                    stop: list[str] | None = None):
-    """vLLM SamplingParams of one sample, reporting the sampled token's logprob (+ ``logprobs`` top ones)."""
+                    stop: list[str] | None = None, exact_tokens: int | None = None):
+    """vLLM SamplingParams of one sample, reporting the sampled token's logprob (+ ``logprobs`` top ones).
+    ``exact_tokens``: the sample runs to exactly that many tokens, eos and stop tokens ignored (the timing
+    harness's drawn lengths, engine/lengths.py)."""
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -86,11 +90,12 @@ def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k if s.top_k > 0 else 0,
-        max_tokens=s.max_tokens,
+        max_tokens=s.max_tokens if exact_tokens is None else exact_tokens,
+        ignore_eos=exact_tokens is not None,
         logprobs=logprobs,
         # Each request's logprobs as a few flat lists, not a dict and a Logprob object per token.
         flat_logprobs=True,
-        stop_token_ids=stop_token_ids,
+        stop_token_ids=None if exact_tokens is not None else stop_token_ids,
         stop=stop,
         seed=seed,
     )
@@ -163,11 +168,23 @@ class Engine:
         if self.model.routes is not None:
             self._route_log = RouteLog(self.model.routes)
             compat.on_model_forward(self.engine, self._route_log.file)
+        self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
+        """Tokens the engine's KV cache holds (vLLM's "KV cache size")."""
         if config.load_format == "auto":
             self._version = 0  # explicit opt-in: the checkpoint's weights, no trainer
         else:
             self._poison()
         self._request_counter = 0
+
+    def capacity_line(self) -> str:
+        """One line on what the KV cache holds at once, against generator.max_num_seqs: fewer sequences of
+        max_model_len than max_num_seqs means long samples wait for room or get preempted (recomputed)."""
+        c = self.config
+        fits = self.kv_cache_tokens // c.max_model_len
+        verdict = (f"fewer than max_num_seqs {c.max_num_seqs}: full-length samples wait or are preempted"
+                   if fits < c.max_num_seqs else f"max_num_seqs {c.max_num_seqs} fit")
+        return (f"torchtitan_rl: generator KV cache {self.kv_cache_tokens} tokens: {fits} sequences of "
+                f"max_model_len {c.max_model_len} at once, {verdict}")
 
     @torch.no_grad()
     def _poison(self) -> None:
@@ -287,13 +304,16 @@ class Engine:
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
         first_prompt: int = 0,
+        lengths: HarnessLengthsConfig | None = None,
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order.
 
         ``first_prompt``: the index of ``prompts[0]`` in the whole request when
         this is one block of it (a generator replica's share): samples are
         seeded by their global prompt index, so the batch does not depend on
-        how many replicas shared it.
+        how many replicas shared it. ``lengths``: the timing harness's
+        (grpo.harness_lengths): each sample runs to the length drawn for it
+        (engine/lengths.py), eos ignored; needs ``seed``.
         """
         version = self._wait_for_weights()
         self.wake()  # level 1 kept the weights: a generate before the next sync (an evaluation) wakes the engine
@@ -301,17 +321,22 @@ class Engine:
         with self._cond:
             self._busy()
         s = sampling or self.config.sampling
+        assert lengths is None or seed is not None, "drawn lengths are seeded by the request"
         # One request per sample (not SamplingParams.n) so each sample has its
         # own seed and the output order is ours to fix: group-contiguous.
         requests = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
-                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, first_prompt + i, j))
+                exact = None if lengths is None else response_length(
+                    lengths, cap=s.max_tokens, seed=seed, prompt=first_prompt + i, sample=j)
+                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, first_prompt + i, j),
+                                         exact_tokens=exact)
                 rid = f"r{self._request_counter}"
                 self._request_counter += 1
                 self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
                 requests.append((rid, prompt))
         finished = {}
+        trace = TraceRecorder(sequences=len(requests), max_num_seqs=self.config.max_num_seqs)
         with collector.paused():  # vLLM's per-token objects (docs/design.md)
             # Also collects a batch still in flight once every request finished (async scheduling): the
             # engine is idle when generate returns, so a sync never writes under a running iteration.
@@ -319,6 +344,8 @@ class Engine:
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out.outputs[0]
+                running, waiting, preempted = compat.scheduler_load(self.engine)
+                trace.iteration(running=running, waiting=waiting, preempted=preempted)
         assert self._version == version, "weights changed during generation"
         with self._cond:
             idle_s, self._idle_s = self._idle_s, 0.0
@@ -343,7 +370,7 @@ class Engine:
             for i in range(len(prompts)):
                 fill_shared_prompts(routes, lens, list(range(i * n, (i + 1) * n)))
         return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s,
-                        routes=routes)
+                        trace=trace.finish(), routes=routes)
 
     # The loop's interface (rollout/base.py), so that a one-process caller can use an Engine directly.
     rollouts = generate

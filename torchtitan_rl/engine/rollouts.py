@@ -6,6 +6,8 @@ downward (rollout/base.py re-exports it with the loop's interface).
 
 from dataclasses import dataclass
 
+from torchtitan_rl.engine.trace import EngineTrace
+
 
 @dataclass
 class Rollouts:
@@ -25,6 +27,9 @@ class Rollouts:
     """MoE: per completion, int16 numpy [prompt + completion - 1, MoE layers, top-k], the experts the generator's
     forward chose at each position it computed (-1: none recorded); None for a dense model or a generator that
     does not hand them over (routing replay, the routing-mismatch metric)."""
+    trace: EngineTrace | None = None
+    """Where the engine's time went (engine/trace.py: the tail, the batch fill, preemptions); None where no
+    Engine.generate made the batch (a rollout server's, a multi-turn episode's)."""
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
@@ -32,7 +37,8 @@ class Rollouts:
 
         All parts come from one weight version: every replica applies the same
         syncs between the same requests. ``generate_s`` is the slowest part's
-        (the batch is ready when it is); ``idle_s`` the mean over the parts.
+        (the batch is ready when it is); ``idle_s`` the mean over the parts;
+        the traces are summed (EngineTrace.merge).
         """
         assert len({p.weight_version for p in parts}) == 1, [p.weight_version for p in parts]
         masks = None
@@ -47,6 +53,7 @@ class Rollouts:
             idle_s=sum(p.idle_s for p in parts) / len(parts),
             loss_mask=masks,
             routes=None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes],
+            trace=EngineTrace.merge([p.trace for p in parts]) if all(p.trace is not None for p in parts) else None,
         )
 
 

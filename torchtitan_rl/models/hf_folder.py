@@ -31,6 +31,7 @@ def check_hf_folder(folder: str, *, field: str) -> None:
 
 
 def check_weights(folder: str, *, field: str) -> None:
-    """ValueError unless ``folder`` holds *.safetensors weights (checked before a run creates its folder)."""
+    """ValueError unless ``folder`` holds *.safetensors weights: the trainer's model.hf_checkpoint (checked before a
+    run creates its folder) and the evaluator's --model."""
     if Path(folder).is_dir() and not any(Path(folder).glob("*.safetensors")):
         raise ValueError(f"{field}: no *.safetensors files in {folder} (a tokenizer-only or .bin folder?)")

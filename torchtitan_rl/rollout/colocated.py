@@ -56,6 +56,8 @@ class ColocatedGenerator:
                     workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
                     batch_invariant=cfg.batch_invariant_mode,
                 )
+            if rank == 0:
+                print(self.generator.capacity_line(), flush=True)
         try:
             self.weight_sync = WeightSync(
                 cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora,

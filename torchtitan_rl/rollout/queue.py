@@ -9,6 +9,7 @@ import random
 from collections import deque
 
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.config.validation import harness_lengths
 from torchtitan_rl.rollout.base import Done, Pending, RolloutGenerator, Rollouts
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
 
@@ -25,6 +26,9 @@ class RolloutQueue:
         self.inflight: deque[tuple[int, list[Prompt], Pending]] = deque()
         self.requested = 0
         """The next step to request rollouts for."""
+        lengths = harness_lengths(cfg)
+        self.lengths = {} if lengths is None else {"lengths": lengths}
+        """The timing harness's drawn lengths (grpo.harness_lengths), passed with every request where set."""
 
     def next(self, step: int) -> tuple[list[Prompt], Rollouts]:
         """Request rollouts up to max_staleness steps ahead (served with the weights just synced, while
@@ -53,7 +57,7 @@ class RolloutQueue:
         cfg = self.cfg
         return self.task.submit(  # a multi-turn task plays whole episodes
             self.generator, prompts, n=cfg.grpo.group_size, seed=cfg.job.seed * 1_000_003 + seed,
-            sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len,
+            sampling=cfg.generator.sampling, max_total_tokens=cfg.generator.max_model_len, **self.lengths,
         )
 
     def state_dict(self) -> dict:

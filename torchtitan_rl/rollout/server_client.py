@@ -10,18 +10,25 @@ joins the store (the sender's plan and headers) and the gathers of a sync.
 
 What goes wrong says so in one line naming the server (a ValueError, as any
 bad peer: the command exits 2): a server that does not answer, a sync that
-failed, and a takeover (another trainer connected: the server leaves this
-session a signed notice, and answers with the other session's weights).
-A trainer started before its server says every few seconds that it waits.
+failed, a certificate it does not trust (https: serve.ssl_cafile), and a
+takeover (another trainer connected: the server leaves this session a signed
+notice, and answers with the other session's weights). A trainer started
+before its server says every few seconds that it waits; one that finds
+another trainer connected waits once for that one's session lease to run out
+(a crashed trainer's does), and its own lease is renewed by a heartbeat
+thread, so that a long train step never loses it. A sync, the connection's
+set-up and the check after a failure each have ONE deadline,
+weight_sync.peer_timeout_s, across all their parts (HTTP requests, store
+waits, the gloo broadcasts): a frozen server ends the trainer after that
+long, not after that long per part. The HTTP(S) requests and the store they
+carry: rollout/server_http.py.
 """
 
-import base64
-import http.client
-import json
+import re
+import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 
 import torch
@@ -29,145 +36,34 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig, SamplingConfig
 from torchtitan_rl.rollout.base import Later, Rollouts
-from torchtitan_rl.serving.protocol import ENDED, connect_host, pair_store, session_store
+from torchtitan_rl.rollout.server_http import HttpStore, ServerClient, ServerError, ServerGone
+from torchtitan_rl.serving.protocol import ENDED, base_url, client_tls, pair_store, session_store
 from torchtitan_rl.distributed.world import World, pair_group
 from torchtitan_rl.weight_sync.nccl_sender import NcclSender
 from torchtitan_rl.weight_sync.store import ForgedMessage
 
-_SAY_EVERY_S = 5.0
-"""How often a trainer waiting for its server says so."""
-
-
-class ServerError(RuntimeError):
-    """The server answered a request with an error (its status and message)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"rollout server: HTTP {status}: {message}")
-        self.status, self.message = status, message
-
-    def __reduce__(self):  # pickled to the other trainer ranks (broadcast_object_list)
-        return ServerError, (self.status, self.message)
-
-
-class ServerGone(ValueError):
-    """The server does not answer, or this trainer's session ended; one line naming the server."""
-
-
-class ServerClient:
-    """JSON over HTTP to one server (stdlib only); errors become ServerError with the server's message, or
-    ServerGone when nothing answers."""
-
-    def __init__(self, base_url: str, *, token: str = "", api_key: str = "", timeout_s: float = 1800.0) -> None:
-        self.base_url, self.token, self.api_key, self.timeout_s = base_url.rstrip("/"), token, api_key, timeout_s
-
-    def request(self, method: str, path: str, body: dict | None = None, *, timeout_s: float | None = None) -> dict:
-        """``timeout_s``: this request's limit (default: the client's)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        key = self.token if path.startswith("/control/") else self.api_key
-        if key:
-            req.add_header("Authorization", f"Bearer {key}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            try:
-                message = json.loads(raw)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = raw.decode(errors="replace")[:500]
-            raise ServerError(e.code, message) from None
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, TimeoutError) as e:
-            reason = getattr(e, "reason", None) or e
-            raise ServerGone(f"rollout server {self.base_url}: no answer to {method} {path} "
-                             f"({type(reason).__name__}: {reason}); is it running?") from None
-
-    def wait_ready(self, timeout_s: float) -> dict:
-        """GET /health until the server answers (it may still be starting its engine); says so meanwhile."""
-        started, said = time.monotonic(), None
-        while True:
-            try:
-                # A short limit: a starting server's port is bound (and takes connections) before it answers.
-                return self.request("GET", "/health", timeout_s=_SAY_EVERY_S)
-            except ServerGone as e:
-                waited = time.monotonic() - started
-                if waited >= timeout_s:
-                    raise ServerGone(f"{e} Waited {timeout_s:g} s (weight_sync.peer_timeout_s); start it with "
-                                     "`python -m torchtitan_rl.serve`") from None
-                if said is None or time.monotonic() - said >= _SAY_EVERY_S:
-                    print(f"torchtitan_rl: waiting for the rollout server at {self.base_url} ({waited:.0f} s of "
-                          f"{timeout_s:g} s, weight_sync.peer_timeout_s)", flush=True)
-                    said = time.monotonic()
-                time.sleep(0.5)
-
-
-class HttpStore(dist.Store):
-    """The server's sync store as a torch.distributed Store: each call one ``POST /control/store`` with
-    serve.token (the server opens no store port: serving/sync_store.py says why). gloo's and NCCL's
-    rendezvous and the sync's messages go through it unchanged."""
-
-    def __init__(self, client: ServerClient, *, timeout_s: float) -> None:
-        super().__init__()
-        self.client, self.timeout_s = client, timeout_s
-
-    def _op(self, op: str, **fields) -> dict:
-        return self.client.request("POST", "/control/store", {"op": op, **fields})
-
-    def set(self, key: str, value) -> None:
-        self._op("set", key=key, value=_b64(value))
-
-    def get(self, key: str) -> bytes:
-        self.wait([key])
-        return base64.b64decode(self._op("get", key=key)["value"])
-
-    def check(self, keys: list[str]) -> bool:
-        return self._op("check", keys=list(keys))["ready"]
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        """Until every key is set; DistStoreError after ``timeout`` (default: weight_sync.peer_timeout_s)."""
-        limit = self.timeout_s if timeout is None else timeout.total_seconds()
-        deadline = time.monotonic() + limit
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            if self._op("wait", keys=list(keys), timeout_s=left)["ready"]:
-                return
-            if time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"rollout server {self.client.base_url}: store keys {list(keys)} not set "
-                                          f"within {limit:g} s")
-
-    def add(self, key: str, amount: int) -> int:
-        return self._op("add", key=key, amount=amount)["value"]
-
-    def compare_set(self, key: str, expected, desired) -> bytes:
-        reply = self._op("compare_set", key=key, expected=_b64(expected), desired=_b64(desired))
-        return base64.b64decode(reply["value"])
-
-
-def _b64(value) -> str:
-    return base64.b64encode(value.encode() if isinstance(value, str) else bytes(value)).decode()
+_PROBE_S = 2.0
+"""How long the checks after a failed sync (does the server answer? was this trainer replaced?) may take."""
 
 
 class ServerGenerator:
     """The generator as the loop sees it, behind HTTP; every trainer rank calls each method together."""
 
     def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], device: torch.device) -> None:
-        host = connect_host(cfg.serve.host)
-        timeout_s = cfg.weight_sync.peer_timeout_s
+        self.timeout_s = timeout_s = cfg.weight_sync.peer_timeout_s
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.client = ServerClient(f"http://{host}:{cfg.serve.port}", token=cfg.serve.token,
-                                   api_key=cfg.serve.api_key, timeout_s=timeout_s)
+        self.client = ServerClient(base_url(cfg.serve), token=cfg.serve.token, api_key=cfg.serve.api_key,
+                                   timeout_s=timeout_s, tls=client_tls(cfg.serve))
+        self.heartbeat: Heartbeat | None = None
+        """Trainer rank 0: renews the session's lease while this trainer lives."""
+        self._answers = True
+        """False once a failed sync found the server not answering: close() then does not wait for it."""
         reply = [None]
         if self.rank == 0:
             self.client.wait_ready(timeout_s)
-            try:
-                reply = [self.client.request("POST", "/control/connect", {"takeover": cfg.serve.takeover})]
-            except ServerError as e:  # 409: another trainer is connected and serve.takeover is off
-                if e.status != 409:
-                    raise
-                raise ServerGone(f"rollout server {self.client.base_url}: {e.message}; or stop that trainer "
-                                 "first") from None
+            reply = [self._connect()]
+            self.heartbeat = Heartbeat(self.client, reply[0]["session"], every_s=reply[0]["lease_s"] / 5)
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(reply, src=0)
         self.session = session = reply[0]["session"]
@@ -177,39 +73,84 @@ class ServerGenerator:
         self._http_store = HttpStore(self.client, timeout_s=timeout_s)  # referenced: the Python side must outlive
         self.store = session_store(self._http_store, session, secret=cfg.serve.token, prefix=prefix)
         pair = None
-        if self.rank == 0:
-            pair = pair_group(pair_store(self._http_store, session, secret=cfg.serve.token, prefix=prefix), rank=0,
-                              device=device, timeout_s=timeout_s)
-        world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
-        self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
+        try:
+            with self.client.deadline(timeout_s, "the sync session's set-up"):
+                if self.rank == 0:
+                    pair = _Bounded(pair_group(pair_store(self._http_store, session, secret=cfg.serve.token,
+                                                          prefix=prefix), rank=0, device=device, timeout_s=timeout_s),
+                                    self.client)
+                world = World("trainer", self.rank, dist.get_world_size(), device, self.store, pair)
+                self.sender = NcclSender(cfg.weight_sync, reference=reference, world=world, timeout_s=timeout_s)
+        except BaseException:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
+            raise
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollouts")
         self.inflight: list[Future] = []
         """Trainer rank 0: the HTTP requests not yet answered (grpo.max_staleness of them at most)."""
 
+    def _connect(self) -> dict:
+        """POST /control/connect. Another trainer connected (409, serve.takeover off): wait once until its lease
+        would run out (a crashed or frozen trainer's does) and try again; a live one renews it: one line."""
+        url, waited = self.client.base_url, False
+        while True:
+            try:
+                return self.client.request("POST", "/control/connect", {"takeover": self.cfg.serve.takeover})
+            except ServerError as e:
+                if e.status != 409:
+                    raise
+                if waited or e.retry_after is None:
+                    raise ServerGone(f"rollout server {url}: {e.message}; or stop that trainer first") from None
+                wait = min(float(e.retry_after) + 0.5, self.timeout_s)
+                print(f"torchtitan_rl: another trainer holds the rollout server at {url}; waiting {wait:.0f} s for "
+                      "its session lease to run out (serve.session_lease_s: a crashed trainer's does; "
+                      "--serve.takeover true replaces it now)", flush=True)
+                time.sleep(wait)
+                waited = True
+
     def sync(self, state: dict[str, torch.Tensor], *, version: int) -> float:
         """Send ``state`` to the server, which serves ``version`` to the requests submitted after this;
         seconds the transfer took, once the requests submitted before have been answered (the server would
-        otherwise admit a late one after the sync)."""
-        for reply in self.inflight:
-            reply.exception()  # waits; an error is raised by its result()
-        self.inflight = []
-        self._check_session()
-        try:
-            seconds = self.sender.sync(state, version=version).seconds
-        except Exception as e:  # gloo, the store or a verdict: say which server, and whether it still answers
-            if isinstance(e, ValueError) and not isinstance(e, ServerGone):
-                raise  # a state dict the sync refused: it names the tensors
+        otherwise admit a late one after the sync). All of it within weight_sync.peer_timeout_s."""
+        started, failure = time.monotonic(), None
+        with self.client.deadline(self.timeout_s, f"the sync of version {version}"):
+            for reply in self.inflight:
+                try:
+                    reply.exception(timeout=max(0.0, self.client.left()))  # waits; its result() raises an error
+                except FutureTimeout:
+                    raise ServerGone(f"rollout server {self.client.base_url}: no answer to the rollouts requested "
+                                     f"before the sync of version {version} within weight_sync.peer_timeout_s "
+                                     f"({self.timeout_s:g} s)") from None
+            self.inflight = []
             self._check_session()
             try:
-                self.client.request("GET", "/health")
-                state = "it still answers; its log says why"
-            except (ServerGone, ServerError):
-                state = "it does not answer (stopped?)"
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ServerGone(f"rollout server {self.client.base_url}: the sync of version {version} failed "
-                             f"({first}); {state}") from None
+                seconds = self.sender.sync(state, version=version).seconds
+            except Exception as e:  # gloo, the store or a verdict: say which server, and whether it still answers
+                if isinstance(e, ValueError) and not isinstance(e, ServerGone):
+                    raise  # a state dict the sync refused: it names the tensors
+                failure = e
+        if failure is not None:
+            url = self.client.base_url
+            # gloo's own lines start with its source file: "[.../unbound_buffer.cc:129] Timed out waiting ..."
+            first = re.sub(r"^\[[^\]]*\] ", "", str(failure).splitlines()[0] if str(failure) else "")
+            first = first.removeprefix(f"rollout server {url}: ") or type(failure).__name__
+            what = (f"did not finish within weight_sync.peer_timeout_s ({self.timeout_s:g} s)"
+                    if time.monotonic() - started >= self.timeout_s else "failed")
+            raise ServerGone(f"rollout server {url}: the sync of version {version} {what} ({first}); "
+                             f"{self._probe()}") from None
         self.synced = True
         return seconds
+
+    def _probe(self) -> str:
+        """After a failed sync, within a few seconds: does the server answer, and was this trainer replaced?"""
+        try:
+            self.client.request("GET", "/health", timeout_s=_PROBE_S)
+        except (ServerGone, ServerError):
+            self._answers = False
+            return "it does not answer (stopped?)"
+        with self.client.deadline(_PROBE_S, "the check of this trainer's session"):
+            self._check_session()
+        return "it still answers; its log says why"
 
     def _check_session(self) -> None:
         """Raise if the server ended this session because another trainer connected."""
@@ -278,8 +219,48 @@ class ServerGenerator:
     def close(self) -> None:
         """End the sync session; the server keeps serving the last version for other clients."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.rank == 0:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.rank == 0 and self._answers:  # a few seconds at most: a frozen server must not hold the exit
             try:
-                self.client.request("POST", "/control/disconnect", {"session": self.session})
+                self.client.request("POST", "/control/disconnect", {"session": self.session}, timeout_s=_PROBE_S)
             except (ServerError, ServerGone):
                 pass  # the server is gone already: nothing to end
+
+
+class Heartbeat:
+    """Trainer rank 0: renews its session's lease (``POST /control/heartbeat``) every ``every_s`` from a daemon
+    thread, whatever the main thread does (a long train step); stops once the server says the session is over,
+    or has not answered for a whole lease (the session is lost by then)."""
+
+    def __init__(self, client: ServerClient, session: str, *, every_s: float) -> None:
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, args=(client, session, every_s), name="serve-heartbeat",
+                         daemon=True).start()
+
+    def _run(self, client: ServerClient, session: str, every_s: float) -> None:
+        answered = time.monotonic()
+        while not self._stop.wait(every_s):
+            try:
+                if not client.request("POST", "/control/heartbeat", {"session": session}, timeout_s=every_s)["current"]:
+                    return  # replaced or ended: the loop's next sync or rollouts say so
+                answered = time.monotonic()
+            except (ServerError, ServerGone):  # the loop's own requests say what is wrong
+                if time.monotonic() - answered > 5 * every_s:
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class _Bounded:
+    """The sync pair's group, each broadcast's timeout cut to what is left of this thread's deadline (gloo
+    honours a per-operation timeout; NCCL's watchdog keeps the group's, weight_sync.peer_timeout_s)."""
+
+    def __init__(self, group, client: ServerClient) -> None:
+        self.group, self.client = group, client
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions):
+        if (left := self.client.left()) is not None:
+            opts.timeout = timedelta(seconds=max(left, 0.001))
+        return self.group.broadcast(tensors, opts)

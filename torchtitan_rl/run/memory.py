@@ -71,6 +71,16 @@ class MemoryEstimate:
     device_total: int
     role: str
     """colocated (trainer and engine on each GPU), trainer or generator (weight_sync.transport nccl)."""
+    kv_token_bytes: int
+    """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes)."""
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV-cache budget could hold (an upper bound: vLLM also keeps activations and CUDA graphs in
+        its budget; the engine's own count is printed once it is built)."""
+        return (self.engine_budget - self.engine_weights) // self.kv_token_bytes
 
     @property
     def trainer_host(self) -> int:
@@ -112,7 +122,9 @@ class MemoryEstimate:
                 f"reference {g(self.trainer_reference)} GiB on {where}, gathered blocks {g(self.trainer_gathered)};")
         if self.role != "trainer":
             parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + KV cache "
-                         f"{g(self.engine_budget - self.engine_weights)}), {g(self.engine_while_training)} while "
+                         f"{g(self.engine_budget - self.engine_weights)}: at most {self.kv_tokens} tokens, "
+                         f"{self.kv_tokens // self.max_model_len} sequences of max_model_len {self.max_model_len} "
+                         f"beside max_num_seqs {self.max_num_seqs}), {g(self.engine_while_training)} while "
                          "the trainer steps;")
         parts.append(f"peak {g(self.peak)} GiB (generate {g(self.generate_peak)}, train {g(self.train_peak)})")
         if self.device_total:
@@ -142,7 +154,9 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         trainer_reference=-(-params * master // shards) if cfg.grpo.kl_coef > 0 else 0,
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights),
         engine_while_training=0 if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
-        device_total=device_total, role=role,
+        device_total=device_total, role=role, max_model_len=cfg.generator.max_model_len,
+        kv_token_bytes=shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * compute,
+        max_num_seqs=cfg.generator.max_num_seqs,
     )
 
 

@@ -37,8 +37,12 @@ class StepMetrics:
     sync_s: float
     generate_s: float
     wait_rollouts_s: float
-    """What of sync + generate was not moving weights: the trainer waiting for its rollouts."""
+    """What of sync + generate was not moving weights: the trainer waiting for its rollouts (trainer idle)."""
     generator_idle_s: float
+    """Seconds the generator had no batch and no sync before this step's batch (generator idle)."""
+    tail: dict[str, float]
+    """Where the step's generate went (engine/trace.py, EngineTrace.metrics): gen_tail_share, gen_batch_fill,
+    gen_preemptions, ...; {} where no Engine.generate made the batch (a rollout server, multi-turn episodes)."""
     train_s: float
     step_s: float
 

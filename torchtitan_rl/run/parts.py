@@ -8,7 +8,7 @@ import os
 import torch
 
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.config.validation import effective_task, tokenizer_dir
+from torchtitan_rl.config.validation import effective_task, harness_lengths, tokenizer_dir
 from torchtitan_rl.grpo import build_task
 from torchtitan_rl.grpo.tasks import check_vocabulary
 from torchtitan_rl.models.families import FLAVORS, resolve_shape
@@ -25,6 +25,9 @@ def run_task(cfg: JobConfig):
     if spec != cfg.grpo.task and os.environ.get("RANK", "0") == "0":
         print(f"torchtitan_rl: no model.hf_checkpoint: seeded random weights and grpo.task_without_checkpoint "
               f"{spec!r}: a timing harness, nothing will learn (--model.hf_checkpoint DIR trains {cfg.grpo.task!r})")
+    if (lengths := harness_lengths(cfg)) is not None and os.environ.get("RANK", "0") == "0":
+        print(f"torchtitan_rl: harness response lengths: {lengths.distribution}, median {lengths.median}, p90 "
+              f"{lengths.p90}, cap {cfg.generator.sampling.max_tokens} tokens, eos ignored (grpo.harness_lengths)")
     completion = max(cfg.generator.sampling.max_tokens, cfg.eval.max_tokens)
     return build_task(spec, cfg.task, tokenizer_dir=tokenizer_dir(cfg),
                       max_prompt_tokens=cfg.generator.max_model_len - completion)

@@ -95,6 +95,8 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
             cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed,
             device=world.device.type, workdir=workdir, batch_invariant=cfg.batch_invariant_mode,
         )
+    if world.replica == 0:
+        print(generator.capacity_line(), flush=True)
     try:
         mailbox = Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer="trainer",
                            replica=world.replica)

@@ -1,7 +1,10 @@
-"""What the rollout server and its trainer client agree on: where to connect and the sync session's store keys."""
+"""What the rollout server and its trainer client agree on: where to connect (and over TLS how) and the sync
+session's store keys."""
 
 import os
 import socket
+import ssl
+from pathlib import Path
 
 import psutil
 import torch.distributed as dist
@@ -17,6 +20,43 @@ ENDED = "ended"
 def connect_host(host: str) -> str:
     """Where a client on this machine reaches a server bound to ``host``."""
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def base_url(serve) -> str:
+    """Where a trainer on this machine reaches the server of ``serve`` (the ServeConfig): https when the server
+    has a certificate (serve.ssl_certfile) or the trainer a CA to check one against (serve.ssl_cafile)."""
+    scheme = "https" if serve.ssl_certfile or serve.ssl_cafile else "http"
+    return f"{scheme}://{connect_host(serve.host)}:{serve.port}"
+
+
+def client_tls(serve) -> ssl.SSLContext | None:
+    """The trainer's TLS context (None: plain HTTP): the server's certificate and host name are verified against
+    serve.ssl_cafile, or the system's CAs when it is empty."""
+    if not (serve.ssl_certfile or serve.ssl_cafile):
+        return None
+    try:
+        return ssl.create_default_context(cafile=serve.ssl_cafile or None)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"serve.ssl_cafile: cannot load {serve.ssl_cafile} ({_why(e)})") from None
+
+
+def check_server_tls(serve) -> None:
+    """The server's certificate and key load (a one-line ValueError naming the field, before the engine starts)."""
+    if not serve.ssl_certfile:
+        return
+    for field in ("ssl_certfile", "ssl_keyfile"):
+        path = getattr(serve, field)
+        if path and not Path(path).is_file():
+            raise ValueError(f"serve.{field}: no such file: {path}")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(serve.ssl_certfile, serve.ssl_keyfile or None)
+    except (OSError, ssl.SSLError) as e:
+        key = f" with serve.ssl_keyfile {serve.ssl_keyfile}" if serve.ssl_keyfile else ""
+        raise ValueError(f"serve.ssl_certfile: cannot load {serve.ssl_certfile}{key} ({_why(e)})") from None
+
+
+def _why(e: Exception) -> str:
+    return getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
 
 
 def bind_gloo(host: str) -> str | None:

@@ -11,9 +11,15 @@ NaN-poisoned: it serves nothing before the first sync), an EngineLoop
     POST /v1/completions       text or token-id prompts
     POST /v1/chat/completions  messages through the checkpoint's chat template
     POST /control/connect      (Bearer serve.token) a trainer opens a sync session; {"takeover": true}
-                               to replace one that is connected (409 without it)
+                               to replace one that is connected (409 without it, unless that one's lease ran out)
     POST /control/store        (Bearer serve.token) its ranks' store operations (set, get, wait, ...)
+    POST /control/heartbeat    (Bearer serve.token) it renews its session's lease (serve.session_lease_s)
     POST /control/disconnect   (Bearer serve.token) it closes it
+
+Request bodies are JSON: a Content-Type other than application/json gets 415 (none at all is read as JSON), and
+a control request with a field the endpoint does not take gets 422 naming it. With serve.ssl_certfile the
+server speaks HTTPS only (uvicorn's TLS); without it, a serve.host beyond loopback is said at start, in one
+line, to carry the secrets in clear.
 
 The /v1 endpoints need ``Authorization: Bearer <serve.api_key>`` when one is
 set (required beyond loopback). Generation requests before the first sync
@@ -40,7 +46,9 @@ engine loop's batches (EngineLoop.begin_sync drains what runs). Every
 message in the store is also signed with serve.token for its session
 (serving/signed_store.py): a replayed one is rejected and ignored.
 Rejections (forged messages, requests without the token or key) are logged
-the first at once, then as one count per 30 s per source. A new connect (a restarted or resumed trainer) ends the previous
+the first at once, then as one count per 30 s per source. A session lives while its trainer makes requests (its
+client's heartbeat, every fifth of serve.session_lease_s, runs through long train steps); a connect with takeover,
+or any connect once the session's lease ran out (a killed or frozen trainer), ends the previous
 session and leaves it a signed notice that names its replacement; a trainer
 that dies or stalls mid-sync is dropped after serve.sync_timeout_s, leaving
 the previous version served if nothing was written yet, else nothing served
@@ -54,6 +62,7 @@ Long: the routes and the sync session they share; the parts with a job of their 
 import asyncio
 import base64
 import json
+import math
 import secrets
 import threading
 import time
@@ -83,9 +92,10 @@ class SyncSessions:
     """The trainer's sync sessions; one at a time, each a thread that applies syncs as they come."""
 
     def __init__(self, loop: EngineLoop, *, device: torch.device, secret: str, timeout_s: float,
-                 store_bytes: int) -> None:
-        """``store_bytes``: the bound of what the trainer may write in the sync store (serve.sync_store_mb)."""
-        self.loop, self.device, self.secret, self.timeout_s = loop, device, secret, timeout_s
+                 store_bytes: int, lease_s: float) -> None:
+        """``store_bytes``: the bound of what the trainer may write in the sync store (serve.sync_store_mb);
+        ``lease_s``: how long a session lasts without a request from its trainer (serve.session_lease_s)."""
+        self.loop, self.device, self.secret, self.timeout_s, self.lease_s = loop, device, secret, timeout_s, lease_s
         self.sync_store = SyncStore(max_bytes=store_bytes)
         self.store = self.sync_store.store
         self._previous: str | None = None
@@ -96,6 +106,10 @@ class SyncSessions:
         self._thread: threading.Thread | None = None
         self._since = ""
         """When the current session connected (HH:MM:SS), for the refusal of a second trainer."""
+        self._seen = 0.0
+        """When the current session's trainer made its last request (monotonic): its lease runs from there."""
+        self._keys = ""
+        """The current session's key prefix (its store requests renew the lease too)."""
         self.session: str | None = None
         self.syncs = 0
 
@@ -106,22 +120,30 @@ class SyncSessions:
 
     def connect(self, *, takeover: bool) -> str:
         current = self.connected()
-        if current is not None and not takeover:
+        silent = time.monotonic() - self._seen
+        expired = current is not None and silent > self.lease_s
+        if current is not None and not takeover and not expired:
             raise HttpError(409, f"a trainer is connected (session {current[:8]}, since {self._since}); connect "
-                                 "with {\"takeover\": true} to replace it (the trainer's serve.takeover)",
-                            type="conflict")
+                                 "with {\"takeover\": true} to replace it (the trainer's serve.takeover), or "
+                                 f"after its lease runs out ({self.lease_s:g} s without a request from it, "
+                                 "serve.session_lease_s)",
+                            type="conflict", headers={"Retry-After": str(math.ceil(self.lease_s - silent))})
         session = uuid.uuid4().hex
         if self._stop is not None:
             self._stop.set()  # the previous session's thread exits at its next poll
             when = time.strftime("%H:%M:%S")
+            lapsed = (f"its lease ran out ({silent:.0f} s without a request from it, serve.session_lease_s "
+                      f"{self.lease_s:g}) and " if expired and not takeover else "")
             session_store(self.store, self.session, secret=self.secret).set(
-                ENDED, f"another trainer connected to the server at {when} (session {session[:8]}) and replaced "
-                       "this one; one server takes one trainer")
-            print(f"torchtitan_rl serve: session {self.session[:8]} replaced by {session[:8]}", flush=True)
+                ENDED, f"{lapsed}another trainer connected to the server at {when} (session {session[:8]}) and "
+                       "replaced this one; one server takes one trainer")
+            print(f"torchtitan_rl serve: session {self.session[:8]} replaced by {session[:8]}"
+                  f"{f' (its lease ran out: no request for {silent:.0f} s)' if lapsed else ''}", flush=True)
         if self._previous is not None:  # two sessions back: nobody reads its keys any more
             self.sync_store.drop(session_prefix(self._previous, secret=self.secret) + "/")
         self._previous = self.session
         self._stop, self.session, self._since = threading.Event(), session, time.strftime("%H:%M:%S")
+        self._seen, self._keys = time.monotonic(), session_prefix(session, secret=self.secret) + "/"
         self._thread = threading.Thread(target=self._serve, args=(session, self._stop),
                                         name=f"sync-{session[:8]}", daemon=True)
         self._thread.start()
@@ -131,6 +153,19 @@ class SyncSessions:
         """Whether ``key`` lies in the current or the replaced session's keys: all a trainer may touch."""
         return any(s is not None and key.startswith(session_prefix(s, secret=self.secret) + "/")
                    for s in (self.session, self._previous))
+
+    def renew(self, session: str) -> bool:
+        """The trainer of ``session`` made a request (its heartbeat): its lease starts again. False when that
+        session is not the connected one (replaced, disconnected or ended): its heartbeat may stop."""
+        if session != self.connected():
+            return False
+        self._seen = time.monotonic()
+        return True
+
+    def renew_by_key(self, key: str) -> None:
+        """A store request on the current session's keys renews its lease as a heartbeat does."""
+        if self.session is not None and key.startswith(self._keys):
+            self._seen = time.monotonic()
 
     def disconnect(self, session: str) -> bool:
         """End ``session`` if it is the current one (a trainer replaced by a newer one must not end it)."""
@@ -201,6 +236,7 @@ class RolloutServer:
                   methods=["POST"]),
             Route("/control/connect", self._handler(self.connect, key="token"), methods=["POST"]),
             Route("/control/store", self._handler(self.store, key="token"), methods=["POST"]),
+            Route("/control/heartbeat", self._handler(self.heartbeat, key="token"), methods=["POST"]),
             Route("/control/disconnect", self._handler(self.disconnect, key="token"), methods=["POST"]),
         ]
         return Starlette(routes=routes)
@@ -260,9 +296,11 @@ class RolloutServer:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- helpers ----------------------------------------------------------------
-    async def _json(self, request, *, field: str = "max_body_mb", empty=None) -> dict:
+    async def _json(self, request, *, field: str = "max_body_mb", empty=None, fields: tuple[str, ...] = ()):
         """The body's JSON, at most serve.<field> MiB (max_body_mb; the store's values: sync_store_mb);
-        ``empty`` (when not None) stands for an empty body."""
+        ``empty`` (when not None) stands for an empty body; ``fields``: the only ones a JSON object may have
+        (a control endpoint's; empty: any, as OpenAI's endpoints ignore what they do not use)."""
+        _check_content_type(request)
         mb = getattr(self.cfg.serve, field)
         limit = int(mb * (1 << 20)) * (2 if field == "sync_store_mb" else 1)  # base64 and JSON around the values
         length = request.headers.get("content-length")
@@ -285,14 +323,20 @@ class RolloutServer:
                             headers={"Connection": "close"}) from None
         if not raw and empty is not None:
             return empty
-        return await self._off_loop(_loads, raw)
+        body = await self._off_loop(_loads, raw)
+        unknown = [k for k in body if k not in fields] if fields and isinstance(body, dict) else []
+        if unknown:
+            raise HttpError(422, f"{unknown[0]}: unknown field; {request.url.path} takes {', '.join(fields)}",
+                            param=unknown[0])
+        return body
 
     def _authorize(self, request, key: str) -> None:
         secret = getattr(self.cfg.serve, key)
         if key == "api_key" and not secret:
             return  # no key set: open (serve.host is loopback, check_serve made sure)
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {secret}".encode()):
+        # RFC 7235: the scheme is case-insensitive ("bearer" too); one or more spaces before the credentials.
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), secret.encode()):
             what = "control" if key == "token" else "generation"
             source = request.client.host if request.client else "an unknown address"
             REJECTIONS(f"requests without serve.{key}", source,
@@ -483,16 +527,21 @@ class RolloutServer:
         return self._envelope("chat.completion", choices, samples, len(prompt))
 
     async def connect(self, request):
-        body = await self._json(request, empty={})
+        body = await self._json(request, empty={}, fields=("takeover",))
         takeover = body.get("takeover", False) if isinstance(body, dict) else None
         if not isinstance(takeover, bool):
             raise HttpError(400, "takeover: true or false (replace a connected trainer)", param="takeover")
         session = self.sessions.connect(takeover=takeover)
-        return {"session": session, "store_prefix": SESSION_PREFIX, "weight_version": self.loop.weight_version}, {}
+        return {"session": session, "store_prefix": SESSION_PREFIX, "weight_version": self.loop.weight_version,
+                "lease_s": self.sessions.lease_s}, {}
+
+    async def heartbeat(self, request):
+        """The connected trainer renews its session's lease; ``current`` false: that session is over."""
+        return {"current": self.sessions.renew(await self._session(request))}, {}
 
     async def store(self, request):
-        """One operation of a trainer rank on the sync store (rollout/server_client.py: HttpStore)."""
-        body = await self._json(request, field="sync_store_mb")
+        """One operation of a trainer rank on the sync store (rollout/server_http.py: HttpStore)."""
+        body = await self._json(request, field="sync_store_mb", fields=_STORE_FIELDS)
         if not isinstance(body, dict):
             raise HttpError(400, "body: a JSON object {\"op\", \"key\" or \"keys\", ...}")
         op = body.get("op")
@@ -503,6 +552,7 @@ class RolloutServer:
         if foreign:
             raise HttpError(403, f"key {foreign[0]!r} is not in a live sync session's keys", param="key")
         store, key = self.sessions.sync_store, keys[0]
+        self.sessions.renew_by_key(key)
         try:
             if op == "set":
                 store.set(key, _b64(body, "value"))
@@ -535,11 +585,31 @@ class RolloutServer:
         raise HttpError(400, f"op: one of set, get, check, wait, add, compare_set, got {op!r}", param="op")
 
     async def disconnect(self, request):
-        body = await self._json(request)
+        return {"status": "ok", "ended": self.sessions.disconnect(await self._session(request))}, {}
+
+    async def _session(self, request) -> str:
+        """The ``{"session"}`` body of /control/heartbeat and /control/disconnect."""
+        body = await self._json(request, fields=("session",))
         session = body.get("session") if isinstance(body, dict) else None
         if not isinstance(session, str):
             raise HttpError(400, "session: the id /control/connect returned", param="session")
-        return {"status": "ok", "ended": self.sessions.disconnect(session)}, {}
+        return session
+
+
+_STORE_FIELDS = ("op", "key", "keys", "value", "timeout_s", "amount", "expected", "desired")
+"""What a /control/store request may carry (rollout/server_http.py: HttpStore sends them)."""
+
+
+def _check_content_type(request) -> None:
+    """A JSON body, or none said: a client that says text/plain or a form (curl -d without -H) gets 415 rather
+    than its body read as JSON anyway."""
+    given = request.headers.get("content-type")
+    if given is None:
+        return
+    media = given.split(";")[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise HttpError(415, f"Content-Type: {given!r} is not JSON; send 'Content-Type: application/json' "
+                             "(curl: -H 'Content-Type: application/json')")
 
 
 def _b64(body: dict, field: str) -> bytes:

@@ -4,7 +4,7 @@ A TCPStore answers whoever reaches its port (list, overwrite, delete, and
 park values without limit), so the rollout server opens none: its session
 threads use an in-process ``dist.HashStore``, and the trainer's ranks reach
 the same keys through the HTTP control plane, which needs ``serve.token``
-(rollout/server_client.py: HttpStore). Here the store also checks what
+(rollout/server_http.py: HttpStore). Here the store also checks what
 comes through that door: only keys under a live session's prefix, and at
 most ``max_bytes`` of values in all.
 """

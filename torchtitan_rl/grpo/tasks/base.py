@@ -41,6 +41,9 @@ class Task(ABC):
     """Token that ends a completion; generation stops on it."""
     pad_id: int
     """Token used to pad ragged batches; never scored."""
+    chat_template: str | None = None
+    """A task with its own ``tokenizers.Tokenizer``: the Jinja chat template its run's export carries, so that
+    chat front ends (vLLM's ``LLM.chat``) render messages as the task's prompts; none: the export has none."""
 
     @property
     def vocab_size(self) -> int:
@@ -75,12 +78,14 @@ class Task(ABC):
         return self.reward(prompt, completion_ids) >= 1.0
 
     def submit(self, generator, prompts: list[Prompt], *, n: int, seed: int | None, sampling,
-               max_total_tokens: int):
+               max_total_tokens: int, lengths=None):
         """Ask ``generator`` (any layout, rollout/base.py) for ``n`` completions per prompt, group-contiguous,
         one turn each, ending at ``eos_id``; returns its Pending. Multi-turn tasks (tasks/episodes.py) play
-        whole episodes here."""
+        whole episodes here. ``lengths``: the timing harness's (grpo.harness_lengths, Engine.generate), passed
+        on only when set."""
+        drawn = {} if lengths is None else {"lengths": lengths}
         return generator.submit([p.token_ids for p in prompts], n=n, stop_token_ids=[self.eos_id], seed=seed,
-                                sampling=sampling)
+                                sampling=sampling, **drawn)
 
     def rollouts(self, generator, prompts: list[Prompt], **kwargs):
         """``submit(...).result()``: ask and wait."""

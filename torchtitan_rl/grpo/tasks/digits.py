@@ -26,6 +26,12 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 # Specials first so their ids (0..3) stay fixed if symbols are ever added.
 VOCAB = SPECIAL_TOKENS + list("0123456789") + ["=", "+"]
 MODES = ("copy", "reverse", "repeat_first")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}={% elif m['role'] == "
+    "'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+"""Messages as the task writes them: a user's digits are a prompt (<bos>123=), an answer a completion (111<eos>);
+system messages are dropped (the task has none)."""
 
 
 def build_digits_tokenizer() -> Tokenizer:
@@ -54,6 +60,8 @@ def load_digits_tokenizer() -> Tokenizer:
 
 class DigitsTask(Task):
     """Map n random digits to a deterministic n-digit answer; dense per-digit reward."""
+
+    chat_template = CHAT_TEMPLATE
 
     def __init__(self, n_digits: int = 3, mode: str = "copy") -> None:
         if n_digits < 1:

