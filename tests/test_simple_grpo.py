@@ -92,16 +92,27 @@ def test_without_weight_sync_the_run_does_not_learn(tmp_path):
     assert history[-1]["mismatch_mean"] > 20 * BF16_MISMATCH_MEAN
 
 
-@pytest.mark.slow
-def test_resume_matches_uninterrupted_run(tmp_path):
-    a = train(_config(tmp_path / "a", steps=6))
+def _moe(cfg: JobConfig) -> JobConfig:
+    """The tiny MoE with routing replay and load balancing on: the routing bias and the replayed routes must
+    resume too."""
+    cfg.model.flavor = "tiny-moe"
+    cfg.model.moe_load_balance_coeff = 1e-2
+    cfg.grpo.routing_replay = True
+    return cfg
 
-    first = _config(tmp_path / "b", steps=3)
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_resume_matches_uninterrupted_run(tmp_path, moe):
+    model = _moe if moe else (lambda cfg: cfg)
+    a = train(model(_config(tmp_path / "a", steps=6)))
+
+    first = model(_config(tmp_path / "b", steps=3))
     first.trainer.checkpoint.enable = True
     first.trainer.checkpoint.interval = 3
     train(first)
     assert (tmp_path / "b" / "latest" / "checkpoints" / "step-3").is_dir()
-    second = _config(tmp_path / "b", steps=6)
+    second = model(_config(tmp_path / "b", steps=6))
     second.trainer.checkpoint.enable = True
     second.trainer.checkpoint.interval = 3
     second.resume = True
@@ -111,7 +122,11 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # The resumed generator starts from the checkpoint's weights, not from scratch.
     assert [r["weight_version"] for r in b] == [3, 4, 5]
     # Same prompts, same samples, same trainer state: bit for bit.
-    for key in ("reward_mean", "loss", "grad_norm", "mismatch_mean"):
+    keys = ("reward_mean", "loss", "grad_norm", "mismatch_mean")
+    if moe:  # the generator's expert choices vs the trainer's, measured every step
+        keys += ("routing_mismatch", "routing_mismatch_layers", "routing_tokens")
+        assert all(r["routing_tokens"] > 0 for r in a)
+    for key in keys:
         assert [r[key] for r in b] == [r[key] for r in a[3:]], key
     # The resumed run continues its run's folder and metrics file.
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["latest", "run-1"]

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import PROMPTS, assert_serves, make_generator, tiny_shape
 from torchtitan_rl.config import WeightSyncConfig
-from torchtitan_rl.models.moe import recorded, routers, routing, synced
+from torchtitan_rl.models.moe import recorded, routers, routing, synced_state
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.weight_sync.sync import WeightSync
 
@@ -31,10 +31,6 @@ def moe_model(seed: int) -> torch.nn.Module:
     return model
 
 
-def moe_state(model) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in [*model.named_parameters(), *model.named_buffers()] if synced(k)}
-
-
 def _sync(generator, state, version):
     ws = WeightSync(WeightSyncConfig(verify="full"), reference=state, generator=generator)
     ws.sync(state, version=version)
@@ -43,14 +39,14 @@ def _sync(generator, state, version):
 
 def test_sync_then_generator_logprobs_equal_the_trainer_forward(generator):
     first, second = moe_model(seed=1), moe_model(seed=2)
-    _sync(generator, moe_state(first), 1)
+    _sync(generator, synced_state(first), 1)
     assert_serves(generator.generate(PROMPTS, n=2, seed=0), first)
-    _sync(generator, moe_state(second), 2)  # every expert moved: the first weights are far away
+    _sync(generator, synced_state(second), 2)  # every expert moved: the first weights are far away
     assert_serves(generator.generate(PROMPTS, n=2, seed=0), second, not_=[first])
 
 
 def test_coverage_proof_fails_when_one_expert_tensor_is_left_out(generator):
-    state = moe_state(moe_model(seed=3))
+    state = synced_state(moe_model(seed=3))
     name = "layers.1.moe.routed_experts.inner_experts.w3_EFD"
     with pytest.raises(ValueError, match=r"unwritten: \['layers.1.moe.w13_weight'\]"):
         WeightSync(WeightSyncConfig(), reference={k: v for k, v in state.items() if k != name},
@@ -58,7 +54,7 @@ def test_coverage_proof_fails_when_one_expert_tensor_is_left_out(generator):
 
 
 def test_coverage_proof_covers_every_expert_router_and_layout(generator):
-    ws = WeightSync(WeightSyncConfig(), reference=moe_state(moe_model(seed=3)), generator=generator)
+    ws = WeightSync(WeightSyncConfig(), reference=synced_state(moe_model(seed=3)), generator=generator)
     sources = {e.source for e in ws.plan.entries}
     for layer in range(2):
         for key in ("w1_EFD", "w2_EDF", "w3_EFD"):
@@ -78,9 +74,9 @@ def test_coverage_proof_covers_every_expert_router_and_layout(generator):
 ], ids=["shape", "nan", "missing-router"])
 def test_bad_expert_state_dict_is_refused_before_any_write(generator, corrupt, message):
     good = moe_model(seed=4)
-    ws = _sync(generator, moe_state(good), 4)
+    ws = _sync(generator, synced_state(good), 4)
     before = {k: v.clone() for k, v in generator.model.all_tensors().items()}
-    bad = {k: v.detach().clone() for k, v in moe_state(moe_model(seed=5)).items()}
+    bad = {k: v.detach().clone() for k, v in synced_state(moe_model(seed=5)).items()}
     corrupt(bad)
     with pytest.raises(ValueError, match=re.escape(message)):
         ws.sync(bad, version=5)
@@ -91,7 +87,7 @@ def test_bad_expert_state_dict_is_refused_before_any_write(generator, corrupt, m
 
 def test_generator_hands_over_its_expert_choices_and_replay_makes_the_trainer_use_them(generator):
     model = moe_model(seed=6)
-    _sync(generator, moe_state(model), 6)
+    _sync(generator, synced_state(model), 6)
     rollouts = generator.generate(PROMPTS, n=2, seed=1)
     assert rollouts.routes is not None and len(rollouts.routes) == len(rollouts.completion_ids)
     for p, c, r in zip(rollouts.prompt_ids, rollouts.completion_ids, rollouts.routes):

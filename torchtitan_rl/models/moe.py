@@ -26,6 +26,11 @@ def synced(name: str) -> bool:
     return not name.endswith(COUNTER)
 
 
+def synced_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers the generator computes with, by name: what the sync moves."""
+    return {name: t for name, t in [*model.named_parameters(), *model.named_buffers()] if synced(name)}
+
+
 class Router(TokenChoiceTopKRouter):
     """torchtitan's TokenChoiceTopKRouter plus ``replay_BLK`` (expert ids to use; a row with any -1 routes as
     usual) and ``record`` (keep this forward's own choices in ``recorded_BLK``)."""

@@ -65,6 +65,11 @@ def check_moe(cfg: JobConfig, shape) -> None:
     if cfg.grpo.routing_replay and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"grpo.routing_replay: needs the generator's expert choices, which only a colocated "
                          f"engine hands over (weight_sync.transport 'inplace', got '{cfg.weight_sync.transport}')")
+    lora = cfg.model.lora
+    if lora.rank and not {"wqkv", "wo"} & set(lora.target_modules):
+        raise ValueError(f"model.lora.target_modules: {list(lora.target_modules)} are the dense MLP's linears, which "
+                         "an MoE model has none of (its experts are stacked tensors, frozen under LoRA); target "
+                         "attention's 'wqkv' / 'wo'")
     if shape.load_balance_coeff and (cfg.job.export or cfg.job.export_dir):
         raise ValueError("model.moe_load_balance_coeff: > 0 gives every MoE layer a routing bias that HF "
                          "Qwen3MoeForCausalLM has no place for, so job.export / job.export_dir would write another "

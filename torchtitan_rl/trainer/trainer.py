@@ -30,7 +30,7 @@ from torchtitan_rl.grpo.batch import TrainBatch
 from torchtitan_rl.grpo.loss import grpo_loss
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.kernels.batch_invariant import sampler_token_logprobs
-from torchtitan_rl.models.moe import recorded, routers, routing, synced
+from torchtitan_rl.models.moe import recorded, routers, routing, synced_state
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.trainer.build import build_parallel_model
 from torchtitan_rl.trainer.logprobs import (
@@ -116,8 +116,7 @@ class Trainer:
         # debugmodel size. These are FSDP's sharded fp32 parameters, which the
         # optimizer and checkpoint loads update in place; while FSDP holds a
         # group unsharded, the module shows bf16 copies instead, never these.
-        self._sync_state = {name: t for name, t in [*self.model.named_parameters(), *self.model.named_buffers()]
-                            if synced(name)}
+        self._sync_state = synced_state(self.model)
         self._routers = routers(self.model)
         """The MoE layers' routers in layer order (none for a dense model): routing replay and recording."""
         if shape.load_balance_coeff:
