@@ -24,21 +24,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+from torchtitan_rl.run.metrics import is_timing
+
 CONFIG = "run_configs/cpu_tiny.toml"
 TOKEN = "check-same-metrics-token"
 
 
-TIMING_SHARES = {"gen_tail_share", "gen_batch_fill"}
-"""Shares of a generate's wall time (engine/trace.py): timings too."""
-
-
-def timing(key: str) -> bool:
-    return key.endswith("_s") or key in TIMING_SHARES
-
-
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "latest" / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not timing(k)} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not is_timing(k)} for line in lines]
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ import torch
 from torchtitan_rl.config import GeneratorConfig, ModelConfig
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.shape import ModelShape, build_titan_model
+from torchtitan_rl.run.metrics import is_timing
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DATASET = REPO / "torchtitan_rl" / "grpo" / "tasks" / "data" / "gsm8k_style_sample.jsonl"
@@ -49,6 +50,11 @@ BF16_MISMATCH_MEAN = 1e-2
 hand: two bf16 evaluations of the same weights, each within NOISE_FACTOR x its measured noise (mean
 <= 2.2e-3 in tests/weight_sync on AVX512-BF16 and AVX2), so <= ~7e-3 apart; a generator one
 optimizer step behind (lr 3e-3) is >= 4e-2 away (test_without_weight_sync_the_run_does_not_learn)."""
+
+
+def not_timings(record: dict) -> dict:
+    """A metrics.jsonl line without what wall time decides (run/metrics.is_timing)."""
+    return {k: v for k, v in record.items() if not is_timing(k)}
 
 
 def free_port() -> int:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, not_timings
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 8
 ARGS = ["--config", str(CPU_TINY), "--trainer.steps", str(STEPS), "--grpo.prompts_per_step", "8",
         "--trainer.checkpoint.enable", "--trainer.checkpoint.interval", "2"]
-TIMING = ("sync_s", "generate_s", "wait_rollouts_s", "generator_idle_s", "train_s", "step_s", "gen_tokens_per_s")
 """Wall-clock metrics: the only ones that differ between two runs of the same config."""
 
 
@@ -52,7 +51,7 @@ def _kill_when(proc: subprocess.Popen, moment, timeout_s: float = 300) -> None:
 
 def _records(run: Path) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+    return [not_timings(json.loads(line)) for line in lines]
 
 
 @pytest.mark.slow

@@ -283,3 +283,30 @@ def _external_ids(req_ids) -> list[str]:
     """The ids ``add_request`` was given: vLLM's engine makes its own '<given>-<8 hex digits>' (input_processor's
     assign_request_id)."""
     return [re.sub(r"-[0-9a-f]{8}$", "", rid) for rid in req_ids]
+
+
+def unfinished_outputs(engine) -> dict[str, tuple[list[int], list[float]]]:
+    """Tokens and sampled-token logprobs so far of every request an in-process ``LLMEngine`` has not finished, by
+    the id it was added under: its output processor's per-request state (``RequestState.detokenizer
+    .output_token_ids``, ``.logprobs_processor.logprobs``, flat logprobs; vLLM 0.26 and 0.32; 0.32 keys the states
+    by an internal id and keeps ours as ``external_req_id``). Read between two engine steps; LLMEngine reports
+    nothing for a request it aborts, so partial rollouts read this first."""
+    out = {}
+    for state in engine.output_processor.request_states.values():
+        ids = list(state.detokenizer.output_token_ids)
+        logprobs = state.logprobs_processor.logprobs
+        assert list(logprobs.token_ids) == ids, "expected the sampled token's logprob only"
+        out[getattr(state, "external_req_id", None) or state.request_id] = (ids, list(logprobs.logprobs))
+    return out
+
+
+def unfinished_counts(engine) -> dict[str, int]:
+    """How many tokens each request ``unfinished_outputs`` would list has so far (nothing copied)."""
+    return {getattr(state, "external_req_id", None) or state.request_id: len(state.detokenizer.output_token_ids)
+            for state in engine.output_processor.request_states.values()}
+
+
+def abort_requests(engine, request_ids: list[str]) -> None:
+    """Drop these requests of an in-process ``LLMEngine`` (their KV blocks freed; a batch in flight that holds
+    them is still collected by the next step, which reports nothing for them)."""
+    engine.abort_request(list(request_ids))

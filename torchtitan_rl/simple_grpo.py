@@ -180,14 +180,14 @@ def train(cfg: JobConfig) -> list[dict]:
                 sync_s = generator.sync(trainer.sync_state(), version=step)
             # 2. generate: this step's rollouts, requested grpo.max_staleness steps ago (0: just now)
             with one_line_oom(f"step {step}'s generation"):
-                prompts, rollouts = queue.next(step)
+                prompts, rollouts = queue.next(step, prefetch=builder.prefetch)  # early groups' pi_old, if streamed
             wait_s = time.perf_counter() - t_step - sync_s
             # held-out accuracy of the weights just synced; the training samples above are already drawn
             if evaluator and evaluator.due(step):  # a resumed run evaluates where an uninterrupted one does
                 logger.log_eval(step, evaluator.run(generator, step=step))
                 logger.log_samples(step, evaluator.samples)
             # 3-5. score, advantages, this rank's rows with pi_old recomputed
-            batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step))
+            batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step), version=step)
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
             if cfg.generator.sleep != "off":  # the engine's memory goes to the trainer until the next sync
@@ -200,11 +200,12 @@ def train(cfg: JobConfig) -> list[dict]:
             train_s = time.perf_counter() - t_train
             # 7. log
             rewards_B = batch.drawn.task_rewards_B
-            completion_tokens = sum(len(c) for c in rollouts.completion_ids)  # generated for the first draw
+            completion_tokens = rollouts.generated_tokens()  # generated for the first draw
             record = StepMetrics(
                 reward_mean=rewards_B.mean().item(), reward_max=rewards_B.max().item(),
                 rollout=batch.rollout_stats, sampling=batch.sampling_stats, train=train,
                 mismatch=batch.mismatch, importance=batch.importance, routing=batch.routing,
+                partial=queue.partial_stats,
                 completion_tokens=completion_tokens + batch.sampling_stats.get("refill_completion_tokens", 0.0),
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,

@@ -10,9 +10,11 @@
 #             truncated importance weights), the engine alone on its GPU (gpu_memory_utilization 0.85, no sleep)
 #   SIZE   0.6B | 1.7B: run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal
 #          response lengths, median 1500, p90 5000, cap 8192: grpo.harness_lengths)
-#   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (partial rollouts: t39b's flags, see
-#          /work/wt/NOTES-t39.md; an "on" row refuses to start while the variable is empty), and on d rows also
-#          $LONG_TAIL_ON_D_ARGS (in-flight weight updates and streaming, own-rank layout only)
+#   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (default: partial rollouts, over-sampling as many
+#          groups again as a step trains, tokens at most 2 versions old, per-token truncated importance weights;
+#          docs/benchmarks.md, "Partial rollouts on the CPU harness", says why these values), and on d rows also
+#          $LONG_TAIL_ON_D_ARGS (default: in-flight weight updates and streaming, own-rank layout only; the bound
+#          3 = 2 x grpo.max_staleness + 1)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
@@ -42,7 +44,10 @@ mkdir -p "$R"
 stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in scripts/gpu/results
 STEPS=${LONG_TAIL_STEPS:-3}
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
-ON_ARGS=${LONG_TAIL_ON_ARGS:-}
+ON_ARGS=${LONG_TAIL_ON_ARGS-"--grpo.partial.enable true --grpo.partial.over_sample 64 --grpo.partial.max_token_age 2 \
+--grpo.importance_correction truncate"}
+ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
+--generator.async_scheduling false --generator.stream_groups true"}
 work=/tmp/long_tail  # kept while the machine is warm: the math runs resume from here
 mkdir -p "$work"
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
@@ -59,11 +64,8 @@ launch() {
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=$size
-  if [ "$mode" = on ] && [ -z "$ON_ARGS" ]; then
-    echo "$row: LONG_TAIL_ON_ARGS is empty: set it to the partial-rollout flags (/work/wt/NOTES-t39.md)"; return 2
-  fi
   [ "$mode" = on ] && args+=($ON_ARGS)
-  [ "$mode" = on ] && [ "$layout" = d ] && args+=(${LONG_TAIL_ON_D_ARGS:-})
+  [ "$mode" = on ] && [ "$layout" = d ] && args+=($ON_D_ARGS)
   local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
                 ${LONG_TAIL_ARGS:-})
   case $layout in
@@ -107,7 +109,7 @@ report() {  # ROW RC GROUP
   cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window 1 "$STEPS" \
-    --extra "on_args=$ON_ARGS" "on_d_args=${LONG_TAIL_ON_D_ARGS:-}" "steps=$STEPS" "gpu=$gpu_name" \
+    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
 

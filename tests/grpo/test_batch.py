@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts
+from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts, pack_versions
 
 PAD = 0
 
@@ -33,6 +33,16 @@ def test_pack_rollouts_puts_mask_and_logprobs_on_the_completion_tokens():
         [0, 0, 0, 0, 0, 0, 0],
     ]
     assert not mask_BL[:, 0].any()  # Trainer.train_step's requirement
+
+
+def test_pack_versions_puts_each_tokens_version_where_pack_rollouts_puts_its_logprob():
+    prompts = [[1, 5, 6, 14], [1, 7, 14]]
+    completions = [[8, 2], [9, 9, 9, 2]]
+    versions = [[4, 5], [3, 3, 5, 5]]  # the second sequence was cut after two tokens and continued two versions on
+    tokens_BL, mask_BL, _ = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], pad_id=PAD)
+    versions_BL = pack_versions(prompts, versions, length=tokens_BL.shape[1])
+    assert versions_BL.tolist() == [[-1, -1, -1, -1, 4, 5, -1], [-1, -1, -1, 3, 3, 5, 5]]
+    assert ((versions_BL >= 0) == mask_BL.bool()).all()
 
 
 def test_pack_rollouts_uses_the_given_pad_id():

@@ -186,6 +186,16 @@ def test_importance_weights_truncate_or_mask_at_the_cap():
     assert stats["is_weight_max"] == pytest.approx(3.0, rel=1e-6)
 
 
+def test_importance_weights_report_the_share_of_tokens_by_version_age():
+    old_BT, mu_BT, mask_BT = _rho_case()
+    ages_BT = torch.tensor([[0, 1, 1, 0, 0, 7]])  # the padding's age is never read
+    _, stats = importance_weights(old_BT, mu_BT, mask_BT, mode="truncate", cap=2.0, ages_BT=ages_BT, max_age=2)
+    assert [stats[f"version_age_{k}_frac"] for k in range(3)] == [3 / 5, 2 / 5, 0.0]
+    assert stats["version_age_max"] == 1.0
+    with pytest.raises(AssertionError, match="older than grpo.partial.max_token_age"):
+        importance_weights(old_BT, mu_BT, mask_BT, mode="truncate", cap=2.0, ages_BT=ages_BT + 1, max_age=1)
+
+
 def test_weights_of_one_leave_the_loss_bitwise_unchanged_and_scale_it_per_token():
     logprobs_BT, old_BT, advantages_B, mask_BT = _ragged_batch(seed=3)
     results = {}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, not_timings
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml
 
@@ -102,3 +102,22 @@ def test_every_rank_batch_invariant_lora_run_has_zero_differing_tokens_every_ste
     assert [r["weight_version"] for r in records] == [0, 1, 2]
     assert [r["mismatch_frac_tokens"] for r in records] == [0.0] * 3
     assert all(r["mismatch_max"] == 0.0 and r["grad_norm"] > 0 for r in records), records
+
+
+@pytest.mark.slow
+def test_every_rank_cuts_its_block_of_a_partial_request_and_resumes_bit_for_bit(tmp_path):
+    # Each rank's engine generates its block of the pool (carried groups + new ones) and stops once its share of
+    # the step's groups is finished; the cut samples go back into the shared buffer, which the checkpoint holds.
+    # Lengths drawn by the timing harness (eos ignored, up to 16 tokens), so that groups finish apart.
+    partial = ["--trainer.steps", "4", "--grpo.partial.enable", "true", "--grpo.partial.over_sample", "8",
+               "--grpo.importance_correction", "truncate", "--trainer.checkpoint.enable", "true",
+               "--trainer.checkpoint.interval", "3", "--grpo.task_without_checkpoint", "digits:repeat_first",
+               "--grpo.harness_lengths.distribution", "lognormal", "--grpo.harness_lengths.median", "3",
+               "--grpo.harness_lengths.p90", "10", "--generator.sampling.max_tokens", "16"]
+    _torchrun(tmp_path, *partial)
+    first = _records(tmp_path)
+    assert all(r["partial_carried_samples"] > 0 for r in first) and all(r["version_age_1_frac"] > 0 for r in first[1:])
+    _torchrun(tmp_path, *partial, "--resume")
+    resumed = _records(tmp_path)[3:]
+    assert [r["step"] for r in resumed] == [3]
+    assert not_timings(resumed[0]) == not_timings(first[3])

@@ -46,6 +46,11 @@ def put(world, key: str, value) -> None:
     world.store.set(f"test/{key}", json.dumps(value))
 
 
+def put_rollouts(world, key: str, rollouts: Rollouts) -> None:
+    """The trace stays behind: it is the engine's timing, which the trainer ranks never compare."""
+    put(world, key, rollouts.__dict__ | {"trace": None})
+
+
 def get(world, key: str):
     world.store.wait([f"test/{key}"])
     return json.loads(world.store.get(f"test/{key}"))
@@ -61,7 +66,7 @@ def generator_main(world, out_dir: Path, flavor: str) -> None:
     stats = receiver.receive()
     record["sync1"] = {"version": stats.version, "bytes": stats.bytes_written, "verified": stats.tensors_verified}
     r1 = gen.generate(PROMPTS, n=N, seed=1)
-    put(world, f"r1/{r}", r1.__dict__)
+    put_rollouts(world, f"r1/{r}", r1)
 
     t0 = time.perf_counter()
     rejected = receiver.receive()  # drains the buckets sent ahead of the verdict
@@ -72,7 +77,7 @@ def generator_main(world, out_dir: Path, flavor: str) -> None:
     }
     again = gen.generate(PROMPTS, n=N, seed=1)
     record["after_reject"]["same_completions"] = again.completion_ids == r1.completion_ids
-    put(world, f"r1_again/{r}", again.__dict__)
+    put_rollouts(world, f"r1_again/{r}", again)
 
     result = {}
     thread = threading.Thread(target=lambda: result.update(stats=receiver.receive()))
@@ -87,7 +92,7 @@ def generator_main(world, out_dir: Path, flavor: str) -> None:
     }
     thread.join()
     record["sync2"] = {"version": result["stats"].version, "bytes": result["stats"].bytes_written}
-    put(world, f"r2/{r}", r2.__dict__)
+    put_rollouts(world, f"r2/{r}", r2)
     (out_dir / f"generator{r}.json").write_text(json.dumps(record, indent=1))
     get(world, "done")
 

@@ -252,6 +252,10 @@ class GeneratorConfig:
     """How long a generate call waits for the first sync; 0 raises at once."""
     sleep: Literal["off", "kv_cache", "weights"] = "off"
     """weight_sync.transport inplace, CUDA: free the engine's device memory while the trainer steps (vLLM sleep mode); the next sync wakes it. kv_cache: level 1 (KV cache dropped, weights parked in host memory); weights: level 2 (both dropped: the next sync rewrites and verifies every tensor, nothing is served before). vLLM has no sleep mode on CPU."""
+    inflight_updates: bool = False
+    """weight_sync.transport nccl: a sync lands between two engine iterations of the generate in progress (PipelineRL's in-flight weight updates): running samples are not stopped, the next iteration computes with the new weights, and each token records the version it was sampled with; requests made after a sync never reuse KV blocks computed under older weights (vLLM's cache_salt, set to the version). Needs generator.async_scheduling false: vLLM then runs no iteration between two engine steps."""
+    stream_groups: bool = False
+    """weight_sync.transport nccl: each replica posts a group as soon as its samples finish, and the trainer recomputes pi_old of the finished groups (one group at a time, split over its ranks) while the rest are still generated, instead of all of them after the slowest. Single-turn tasks."""
     colocated_ranks: Literal["all", "first"] = "all"
     """weight_sync.transport inplace under torchrun: all: every trainer rank holds an engine on its device and generates a block of each batch; first: rank 0 alone generates (less memory on the others, their devices idle meanwhile)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -284,6 +288,25 @@ class HarnessLengthsConfig:
         positive(self, path, "median", "p90")
         if self.distribution == "lognormal" and self.p90 <= self.median:
             raise ValueError(f"{path}.p90: must exceed {path}.median ({self.median}), got {self.p90}")
+
+
+@dataclass(kw_only=True)
+class PartialRolloutConfig:
+    """Partial rollouts (docs/design.md, "Partial rollouts and in-flight updates"): a generate stops before its
+    slowest samples, which continue in a later step's generate under newer weights."""
+
+    enable: bool = False
+    """A generate stops once grpo.prompts_per_step of its groups are finished; the unfinished samples are kept (tokens and generator logprobs so far) and continue in the next generate, resubmitted as prompt + completion so far under the weights of then; every token records the weight version it was sampled with. Single-turn tasks; not with dynamic sampling or the rollout server."""
+    over_sample: int = 0
+    """Groups in flight beyond grpo.prompts_per_step (slime's over-sampling): each generate holds the carried groups plus new ones up to prompts_per_step + over_sample, and stops when prompts_per_step are finished (the oldest finished ones train)."""
+    token_budget: int = 0
+    """Generated tokens a generate spends before it stops, but never before the step's groups are finished; 0: stop as soon as they are."""
+    max_token_age: int = 1
+    """Most weight versions a trained token may be behind the step that trains it (AReaL's max_head_offpolicyness); a carried group that a later step would train past it is run to its end in this step's generate instead of being cut again. At least 2 x grpo.max_staleness + 1: the age of a carried token at its earliest next step."""
+
+    def check(self, path: str) -> None:
+        at_least(self, path, 0, "over_sample", "token_budget")
+        positive(self, path, "max_token_age")
 
 
 @dataclass(kw_only=True)
@@ -334,6 +357,8 @@ class GRPOConfig:
     """Weight of an entropy bonus (the policy's token entropy, aggregated as the loss) subtracted from the loss; 0: entropy is only measured."""
     routing_replay: bool = False
     """MoE models: the trainer's recompute and loss route each token to the experts the generator chose for it (routing replay, "R3"; the gate weights still come from the trainer's router, so it learns); off: the trainer routes itself. Either way metrics.jsonl logs routing_mismatch, the fraction of tokens whose top-k experts differ between the two. Colocated generator only."""
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    """Partial rollouts: stop a generate before its slowest samples and continue them later (off by default)."""
 
     def check(self, path: str) -> None:
         positive(self, path, "prompts_per_step", "epochs", "mini_batches")
@@ -346,6 +371,7 @@ class GRPOConfig:
         in_range(self, path, "clip_eps_high", 0, 1, "[0, 1)")
         if self.dynamic_sampling:
             positive(self, path, "dynamic_sampling_max_rounds")
+        self.partial.check(f"{path}.partial")
 
 
 @dataclass(kw_only=True)

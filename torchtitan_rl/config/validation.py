@@ -25,7 +25,7 @@ def validate(cfg: JobConfig, *, world_size: int = 1, device: str | None = None) 
     problems.check(check_finite, cfg)
     for name in _SECTIONS:
         problems.check(getattr(cfg, name).check, name)
-    for check in (_check_sampling, _check_lengths, _check_task, _check_harness_lengths, _check_eval):
+    for check in (_check_sampling, _check_lengths, _check_task, _check_harness_lengths, _check_eval, _check_partial):
         problems.check(check, cfg)
     for i, s in enumerate(cfg.eval.sets):
         problems.check(_check_eval_set, cfg, s, where=f"eval.sets[{i}]")
@@ -88,6 +88,16 @@ def _check_layout(cfg: JobConfig, *, world_size: int, device: str) -> None:
         cfg.generator.parallelism.check("generator.parallelism", world_size=world_size, exact=False)
     if cfg.weight_sync.transport == "server":
         check_serve(cfg)
+    if cfg.generator.stream_groups and cfg.weight_sync.transport != "nccl":
+        raise ValueError(f"generator.stream_groups: groups stream from a generator on its own rank (weight_sync."
+                         f"transport 'nccl'); with '{cfg.weight_sync.transport}' the trainer's ranks generate them")
+    if cfg.generator.inflight_updates:
+        if cfg.weight_sync.transport != "nccl":
+            raise ValueError(f"generator.inflight_updates: a sync lands in a running generate on the generator's own "
+                             f"rank (weight_sync.transport 'nccl'); got '{cfg.weight_sync.transport}'")
+        if cfg.generator.async_scheduling:
+            raise ValueError("generator.async_scheduling: must be false with generator.inflight_updates (vLLM keeps "
+                             "the next iteration scheduled while one runs, so no step boundary is free of one)")
     if cfg.generator.sleep != "off" and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"generator.sleep: '{cfg.generator.sleep}' frees a colocated engine's memory while the "
                          f"trainer steps; weight_sync.transport '{cfg.weight_sync.transport}' has none, set it off")
@@ -182,6 +192,25 @@ def _check_eval_set(cfg: JobConfig, s: EvalSetConfig, *, where: str) -> None:
     if s.max_tokens >= cfg.generator.max_model_len:
         raise ValueError(f"{where}.max_tokens: {s.max_tokens} leaves no room for a prompt in "
                          f"generator.max_model_len {cfg.generator.max_model_len}")
+
+
+def _check_partial(cfg: JobConfig) -> None:
+    """grpo.partial against the sections it meets (docs/design.md, "Partial rollouts and in-flight updates")."""
+    partial, S = cfg.grpo.partial, cfg.grpo.max_staleness
+    if not partial.enable:
+        return
+    if partial.max_token_age < 2 * S + 1:
+        raise ValueError(f"grpo.partial.max_token_age: {partial.max_token_age} is below 2 x grpo.max_staleness + 1 "
+                         f"= {2 * S + 1}, the age of a carried token at the first step that can continue it")
+    if cfg.grpo.dynamic_sampling:
+        raise ValueError("grpo.dynamic_sampling: not with grpo.partial.enable (its refills are whole generates of "
+                         "their own); over-sample with grpo.partial.over_sample instead")
+    if cfg.weight_sync.transport == "server":
+        raise ValueError("grpo.partial.enable: the rollout server (weight_sync.transport 'server') answers whole "
+                         "completions only; use 'inplace' or 'nccl'")
+    if not cfg.weight_sync.enable:
+        raise ValueError("grpo.partial.enable: its bound counts weight versions, which weight_sync.enable false "
+                         "never advances; turn one of them off")
 
 
 def _check_rows_per_rank(cfg: JobConfig, *, dp: int) -> None:

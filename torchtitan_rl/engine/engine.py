@@ -6,9 +6,12 @@ them with NaN, and refuses to generate until the first sync arrives; every
 batch of rollouts records the weight version it was sampled with.
 """
 
+import dataclasses
+import functools
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,7 +21,7 @@ from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, LoRAConf
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.moe import RouteLog, fill_shared_prompts
-from torchtitan_rl.engine.rollouts import Done, Rollouts
+from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts
 from torchtitan_rl.engine.trace import TraceRecorder
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
@@ -76,6 +79,36 @@ def sample_seed(seed: int | None, prompt: int, sample: int) -> int | None:
     return None if seed is None else ((seed * 1_000_003 + prompt) * 1009 + sample) % (1 << 63)
 
 
+def continue_seed(seed: int | None, prompt: int, sample: int, done: int) -> int | None:
+    """The seed of a cut sample continued after ``done`` tokens (partial rollouts): its own stream, not a replay
+    of the draws its first ``done`` tokens took."""
+    return None if seed is None else sample_seed(sample_seed(seed, prompt, sample), done, 1)
+
+
+def partial_stop(partial: PartialRequest, *, unfinished: set[int], generated: Callable[[], int] = lambda: 0) -> bool:
+    """Whether a partial-rollouts request may stop, ``unfinished`` holding its groups (indices) with a sample
+    still running: ``partial.need`` groups finished, the due ones among them, and the token budget spent
+    (``generated()``: tokens this generate sampled, read only when there is a budget)."""
+    if len(partial.groups) - len(unfinished) < partial.need or any(partial.due[g] for g in unfinished):
+        return False
+    return not partial.token_budget or generated() >= partial.token_budget
+
+
+def _generated(engine, finished: dict) -> int:
+    """Tokens a generate sampled so far: its finished requests' and its running ones'."""
+    return sum(len(c.token_ids) for c in finished.values()) + sum(compat.unfinished_counts(engine).values())
+
+
+def _expand(changes: list[tuple[int, int]] | None, count: int) -> list[int]:
+    """The version of each of ``count`` new tokens, from (token index, version from there on) changes."""
+    out = []
+    for k, (start, version) in enumerate(changes or []):
+        stop = changes[k + 1][0] if k + 1 < len(changes) else count
+        out += [version] * (min(stop, count) - len(out))
+    assert len(out) == count, (changes, count)
+    return out
+
+
 def sampling_params(s: SamplingConfig, *, stop_token_ids: list[int] | None, seed: int | None, logprobs: int = 0,
                     stop: list[str] | None = None, exact_tokens: int | None = None):
     """vLLM SamplingParams of one sample, reporting the sampled token's logprob (+ ``logprobs`` top ones).
@@ -126,6 +159,9 @@ class Engine:
         """When the engine last finished a batch or a sync; None while busy (and before the first sync)."""
         self._idle_s = 0.0
         """Idle seconds since the last batch, reported with the next."""
+        self._running: dict[str, list[tuple[int, int]]] | None = None
+        """While a generate runs: each unfinished request's version changes, (its tokens so far, the version its
+        next tokens are sampled with), the first at (0, the generate's version); None between generates."""
 
         check_sleep(config.sleep, device)
         self._sleeping: set[str] = set()
@@ -258,18 +294,25 @@ class Engine:
 
     def finish_sync(self, version: int) -> None:
         self.wake(("kv_cache",))
-        # KV blocks cached for earlier prompts hold keys/values of the old weights.
-        if not compat.reset_prefix_cache(self.engine):
+        inflight = self._running is not None  # generator.inflight_updates: between two steps of a generate
+        # KV blocks cached for earlier prompts hold keys/values of the old weights. In flight the running requests
+        # hold blocks, so vLLM resets nothing: requests are salted with their version instead (generate).
+        if not compat.reset_prefix_cache(self.engine) and not inflight:
             self.abort_sync()
             raise PrefixCacheKept(
                 "generator: vLLM did not reset its prefix cache (a request still holds KV blocks), so cached "
                 f"keys/values of the old weights could serve version {version}; the sync failed and nothing is "
                 "served until the next one")
+        if inflight:  # every unfinished request samples its next token with the new weights
+            counts = compat.unfinished_counts(self.engine)
+            for rid, changes in self._running.items():
+                changes.append((counts.get(rid, 0), version))
         with self._cond:
             self._syncing = False
             self._version = version
             self.weights_discarded = False
-            self._idle()
+            if not inflight:
+                self._idle()
             self._cond.notify_all()
 
     # -- rollouts -------------------------------------------------------------
@@ -305,6 +348,9 @@ class Engine:
         seed: int | None = None,
         first_prompt: int = 0,
         lengths: HarnessLengthsConfig | None = None,
+        partial: PartialRequest | None = None,
+        between_steps: Callable[[], None] | None = None,
+        on_group: Callable[[int, Rollouts], None] | None = None,
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order.
 
@@ -313,7 +359,15 @@ class Engine:
         seeded by their global prompt index, so the batch does not depend on
         how many replicas shared it. ``lengths``: the timing harness's
         (grpo.harness_lengths): each sample runs to the length drawn for it
-        (engine/lengths.py), eos ignored; needs ``seed``.
+        (engine/lengths.py), eos ignored; needs ``seed``. ``partial``: a
+        partial-rollouts request (grpo.partial, engine/rollouts.py): each
+        sample continues from its tokens so far, seeded by its group's number,
+        and the generate stops by the request's rule, returning the samples it
+        cut with the others (``Rollouts.finished``). ``between_steps``: called
+        after every engine step, when no iteration is in flight
+        (generator.inflight_updates: an own-rank replica applies a sync there).
+        ``on_group(i, rollouts)``: called once prompt i's ``n`` samples have all
+        finished, with them (generator.stream_groups: a replica posts them).
         """
         version = self._wait_for_weights()
         self.wake()  # level 1 kept the weights: a generate before the next sync (an evaluation) wakes the engine
@@ -322,55 +376,134 @@ class Engine:
             self._busy()
         s = sampling or self.config.sampling
         assert lengths is None or seed is not None, "drawn lengths are seeded by the request"
+        so_far = partial.so_far if partial is not None else None
+        # A cut sample's expert choices would span requests, a streamed group's leave before they are filed.
+        assert self._route_log is None or (partial is None and on_group is None), "MoE: refused by run/parts.py"
         # One request per sample (not SamplingParams.n) so each sample has its
         # own seed and the output order is ours to fix: group-contiguous.
-        requests = []
+        requests, to_add = [], []
         for i, prompt in enumerate(prompts):
+            number = first_prompt + i if partial is None else partial.groups[i]
             for j in range(n):
+                done = [] if so_far is None else so_far.completion_ids[i * n + j]
                 exact = None if lengths is None else response_length(
-                    lengths, cap=s.max_tokens, seed=seed, prompt=first_prompt + i, sample=j)
-                params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, first_prompt + i, j),
-                                         exact_tokens=exact)
+                    lengths, cap=s.max_tokens, seed=seed, prompt=number, sample=j)
+                if so_far is not None and so_far.finished[i * n + j]:
+                    requests.append((None, prompt))  # finished in an earlier request: returned as it is
+                    continue
+                if not done:
+                    params = sampling_params(s, stop_token_ids=stop_token_ids, seed=sample_seed(seed, number, j),
+                                             exact_tokens=exact)
+                else:  # a cut sample goes on as prompt + its tokens so far, with what is left of its length
+                    left = (s.max_tokens if exact is None else exact) - len(done)
+                    assert left > 0, "a sample at its length limit has finished"
+                    params = sampling_params(
+                        dataclasses.replace(s, max_tokens=left), stop_token_ids=stop_token_ids,
+                        seed=continue_seed(seed, number, j, len(done)), exact_tokens=None if exact is None else left)
                 rid = f"r{self._request_counter}"
                 self._request_counter += 1
-                self.engine.add_request(rid, {"prompt_token_ids": list(prompt)}, params)
+                request = {"prompt_token_ids": list(prompt) + list(done)}
+                if self.config.inflight_updates:  # new requests never reuse blocks of older weights (finish_sync)
+                    request["cache_salt"] = f"v{version}"
                 requests.append((rid, prompt))
-        finished = {}
-        trace = TraceRecorder(sequences=len(requests), max_num_seqs=self.config.max_num_seqs)
-        with collector.paused():  # vLLM's per-token objects (docs/design.md)
-            # Also collects a batch still in flight once every request finished (async scheduling): the
-            # engine is idle when generate returns, so a sync never writes under a running iteration.
-            while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out.outputs[0]
-                running, waiting, preempted = compat.scheduler_load(self.engine)
-                trace.iteration(running=running, waiting=waiting, preempted=preempted)
-        assert self._version == version, "weights changed during generation"
+                to_add.append((rid, request, params))
+        group_of = {rid: b // n for b, (rid, _) in enumerate(requests) if rid is not None}
+        # A partial request whose rule already holds (enough groups finished before it) samples nothing.
+        if partial is None or not partial_stop(partial, unfinished=set(group_of.values())):
+            for rid, request, params in to_add:
+                self.engine.add_request(rid, request, params)
+        else:
+            group_of = {}
+        changes = {rid: [(0, version)] for rid in group_of}
+        self._running = dict(changes)  # what finish_sync updates while a request runs
+        finished, cut = {}, {}
+        left = [0] * len(prompts)  # each group's samples still running
+        for g in group_of.values():
+            left[g] += 1
+        rows = functools.partial(self._rows, requests, version=version, so_far=so_far, finished=finished, cut=cut,
+                                 changes=changes, partial=partial is not None)
+        if on_group is not None:  # groups that finished in earlier requests
+            for g in range(len(prompts)):
+                if not left[g] and all(rid is None for rid, _ in requests[g * n:(g + 1) * n]):
+                    on_group(g, rows(g * n, (g + 1) * n))
+        trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs)
+        try:
+            with collector.paused():  # vLLM's per-token objects (docs/design.md)
+                # Also collects a batch still in flight once every request finished (async scheduling): the
+                # engine is idle when generate returns, so a sync never writes under a running iteration.
+                while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out.outputs[0]
+                            self._running.pop(out.request_id, None)
+                            g = group_of[out.request_id]
+                            left[g] -= 1
+                            if not left[g] and on_group is not None:
+                                on_group(g, rows(g * n, (g + 1) * n))
+                    running, waiting, preempted = compat.scheduler_load(self.engine)
+                    trace.iteration(running=running, waiting=waiting, preempted=preempted)
+                    if partial is not None and self._running and partial_stop(
+                            partial, unfinished={group_of[rid] for rid in self._running},
+                            generated=lambda: _generated(self.engine, finished)):
+                        cut.update(compat.unfinished_outputs(self.engine))  # LLMEngine reports nothing it aborts
+                        compat.abort_requests(self.engine, sorted(self._running))
+                        self._running = {}
+                    if between_steps is not None:
+                        between_steps()
+        finally:
+            self._running = None
+        assert self._version == version or self.config.inflight_updates, "weights changed during generation"
         with self._cond:
             idle_s, self._idle_s = self._idle_s, 0.0
             self._idle()
 
-        prompt_ids, completions, logprobs = [], [], []
-        for rid, prompt in requests:
-            c = finished[rid]
-            ids = list(c.token_ids)
-            prompt_ids.append(list(prompt))
-            completions.append(ids)
-            # logprobs=0: one entry per position, the sampled token's (FlatLogprobs, flat_logprobs=True).
-            assert c.logprobs.token_ids == ids, "expected the sampled token's logprob only"
-            logprobs.append(c.logprobs.logprobs)
-        routes = None
+        out = rows(0, len(requests))
+        out.generate_s, out.idle_s, out.trace = time.perf_counter() - started, idle_s, trace.finish()
         if self._route_log is not None:
-            # The generator computed every position but the last token's (never fed back in).
-            routes = [self._route_log.take(rid, len(p) + len(c) - 1)
-                      for (rid, _), p, c in zip(requests, prompt_ids, completions)]
-            self._route_log.clear()
-            lens = [len(p) for p in prompt_ids]
-            for i in range(len(prompts)):
-                fill_shared_prompts(routes, lens, list(range(i * n, (i + 1) * n)))
-        return Rollouts(prompt_ids, completions, logprobs, version, time.perf_counter() - started, idle_s,
-                        trace=trace.finish(), routes=routes)
+            out.routes = self._routes(requests, out, n=n)
+        return out
+
+    def _routes(self, requests: list, out: Rollouts, *, n: int) -> list:
+        """MoE: each sample's expert choices from the route log (then emptied), a prompt position that prefix
+        caching skipped taking a sibling sample's."""
+        # The generator computed every position but the last token's (never fed back in).
+        routes = [self._route_log.take(rid, len(p) + len(c) - 1)
+                  for (rid, _), p, c in zip(requests, out.prompt_ids, out.completion_ids)]
+        self._route_log.clear()
+        lens = [len(p) for p in out.prompt_ids]
+        for i in range(len(requests) // n):
+            fill_shared_prompts(routes, lens, list(range(i * n, (i + 1) * n)))
+        return routes
+
+    def _rows(self, requests: list, a: int, b: int, *, version: int, so_far: Rollouts | None, finished: dict,
+              cut: dict, changes: dict, partial: bool) -> Rollouts:
+        """Samples [a, b) of a generate's ``requests`` ((request id or None, prompt) each): their tokens so far
+        (``so_far``), then the ones sampled now (``finished`` outputs, or ``cut``'s), with their versions."""
+        prompt_ids, completions, logprobs = [], [], []
+        versions = [] if partial or self.config.inflight_updates else None
+        for k in range(a, b):
+            rid, prompt = requests[k]
+            prompt_ids.append(list(prompt))
+            ids, lps = ([], []) if so_far is None else (list(so_far.completion_ids[k]), list(so_far.logprobs[k]))
+            new = []
+            if rid in finished:
+                c = finished[rid]
+                # logprobs=0: one entry per position, the sampled token's (FlatLogprobs, flat_logprobs=True).
+                assert c.logprobs.token_ids == list(c.token_ids), "expected the sampled token's logprob only"
+                new, new_lps = list(c.token_ids), list(c.logprobs.logprobs)
+            elif rid in cut:
+                new, new_lps = cut[rid]
+            else:  # finished in an earlier request, or a partial request that stopped before adding it
+                assert partial, f"request {rid} did not finish"
+            if new:
+                ids, lps = ids + new, lps + new_lps
+            completions.append(ids)
+            logprobs.append(lps)
+            if versions is not None:
+                before = [] if so_far is None else list(so_far.versions[k])
+                versions.append(before + _expand(changes.get(rid), len(new)))
+        ended = [rid in finished or rid is None for rid, _ in requests[a:b]] if partial else None
+        return Rollouts(prompt_ids, completions, logprobs, version, versions=versions, finished=ended)
 
     # The loop's interface (rollout/base.py), so that a one-process caller can use an Engine directly.
     rollouts = generate

@@ -30,6 +30,36 @@ class Rollouts:
     trace: EngineTrace | None = None
     """Where the engine's time went (engine/trace.py: the tail, the batch fill, preemptions); None where no
     Engine.generate made the batch (a rollout server's, a multi-turn episode's)."""
+    versions: list[list[int]] | None = None
+    """Weight version each completion token was sampled with (partial rollouts, in-flight updates: a sample may
+    span several); None: every token's is ``weight_version``."""
+    finished: list[bool] | None = None
+    """Whether each sample ended (a stop token or its length limit); False: a partial rollout its request's stop
+    rule cut, to continue later. None: all ended."""
+    generated: int | None = None
+    """Tokens the request that made this batch sampled (partial rollouts: the batch holds earlier requests' tokens
+    too, and leaves this request's unfinished samples out); None: all of ``completion_ids``."""
+
+    def token_versions(self) -> list[list[int]]:
+        """The weight version of every completion token, sample by sample."""
+        if self.versions is not None:
+            return self.versions
+        return [[self.weight_version] * len(c) for c in self.completion_ids]
+
+    def generated_tokens(self) -> int:
+        """Tokens sampled for this batch by the request that made it (see ``generated``)."""
+        return sum(map(len, self.completion_ids)) if self.generated is None else self.generated
+
+    def rows(self, a: int, b: int) -> "Rollouts":
+        """Samples [a, b) (their timings as the whole batch's)."""
+        return Rollouts(
+            prompt_ids=self.prompt_ids[a:b], completion_ids=self.completion_ids[a:b], logprobs=self.logprobs[a:b],
+            weight_version=self.weight_version, generate_s=self.generate_s, idle_s=self.idle_s,
+            loss_mask=None if self.loss_mask is None else self.loss_mask[a:b],
+            versions=None if self.versions is None else self.versions[a:b],
+            finished=None if self.finished is None else self.finished[a:b],
+            routes=None if self.routes is None else self.routes[a:b],
+        )
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
@@ -44,6 +74,11 @@ class Rollouts:
         masks = None
         if any(p.loss_mask is not None for p in parts):
             masks = [m for p in parts for m in (p.loss_mask or [[1] * len(c) for c in p.completion_ids])]
+        versions = finished = None
+        if any(p.versions is not None for p in parts):
+            versions = [v for p in parts for v in p.token_versions()]
+        if any(p.finished is not None for p in parts):
+            finished = [f for p in parts for f in (p.finished or [True] * len(p.completion_ids))]
         return Rollouts(
             prompt_ids=[x for p in parts for x in p.prompt_ids],
             completion_ids=[x for p in parts for x in p.completion_ids],
@@ -54,6 +89,38 @@ class Rollouts:
             loss_mask=masks,
             routes=None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes],
             trace=EngineTrace.merge([p.trace for p in parts]) if all(p.trace is not None for p in parts) else None,
+            versions=versions,
+            finished=finished,
+            generated=None if all(p.generated is None for p in parts) else sum(p.generated_tokens() for p in parts),
+        )
+
+
+@dataclass
+class PartialRequest:
+    """What a partial-rollouts request (grpo.partial) adds to Engine.generate's ``prompts`` x ``n``: each
+    sample's tokens so far, each prompt's group number, and when the generate may stop (rollout/partial.py
+    makes it, the engine reads it)."""
+
+    so_far: Rollouts
+    """``n`` per prompt, group-contiguous: each sample's completion so far (empty: a new sample), its logprobs and
+    versions, and whether it already finished (then the engine returns it as is)."""
+    groups: list[int]
+    """Each prompt's group number, which seeds its samples (whatever its place in this request)."""
+    need: int
+    """The generate may stop once this many of its groups (all ``n`` samples) are finished, ..."""
+    due: list[bool]
+    """... every group marked here (one entry per prompt) among them, ..."""
+    token_budget: int = 0
+    """... and it has sampled this many tokens (or every sample has finished)."""
+
+    def block(self, a: int, b: int, *, n: int) -> "PartialRequest":
+        """The request of prompts [a, b) only (one generator's block); it needs its share of ``need``, rounded
+        up, so the blocks together still finish ``need`` groups."""
+        total = len(self.groups)
+        return PartialRequest(
+            so_far=self.so_far.rows(a * n, b * n), groups=self.groups[a:b],
+            need=-(-self.need * (b - a) // max(total, 1)), due=self.due[a:b],
+            token_budget=-(-self.token_budget * (b - a) // max(total, 1)),
         )
 
 

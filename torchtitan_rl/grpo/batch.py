@@ -33,6 +33,15 @@ def pack_rollouts(
     return tokens_BL, mask_BL, gen_BL
 
 
+def pack_versions(prompt_ids: list[list[int]], versions: list[list[int]], *, length: int) -> torch.Tensor:
+    """versions_BL (long): the weight version each completion token of ``pack_rollouts``' tokens_BL was sampled
+    with, at the same positions; -1 on prompt and padding."""
+    versions_BL = torch.full((len(prompt_ids), length), -1, dtype=torch.long)
+    for b, (p, v) in enumerate(zip(prompt_ids, versions)):
+        versions_BL[b, len(p) : len(p) + len(v)] = torch.tensor(v, dtype=torch.long)
+    return versions_BL
+
+
 def logprob_mismatch(trainer_BL: torch.Tensor, generator_BL: torch.Tensor, mask_BL: torch.Tensor) -> dict[str, float]:
     """Per-token |trainer - generator| logprob over scored tokens: the sync's health signal."""
     valid = mask_BL.bool()

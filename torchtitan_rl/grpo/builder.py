@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.grpo.advantages import group_advantages
-from torchtitan_rl.grpo.batch import TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, routing_mismatch
+from torchtitan_rl.grpo.batch import (
+    TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, pack_versions, routing_mismatch,
+)
 from torchtitan_rl.grpo.groups import Groups, fill_with_signal, rollout_metrics, score_groups
 from torchtitan_rl.grpo.loss import importance_weights
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
@@ -67,6 +69,11 @@ class BatchBuilder:
                  device: torch.device) -> None:
         self.cfg, self.task, self.trainer, self.reference, self.device = cfg, task, trainer, reference, device
         grpo = cfg.grpo
+        self.max_age = max(grpo.max_staleness, grpo.partial.max_token_age if grpo.partial.enable else 0)
+        """The most versions a trained token may be behind: grpo.partial's bound, else the staleness bound."""
+        self.early: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        """generator.stream_groups: (prompt, completion) -> its pi_old (and reference) logprobs, recomputed one
+        group at a time; the step's ``build`` uses and clears them."""
         self.score = functools.partial(  # (prompts, rollouts) -> Groups: rewards, overlong penalty, cut flags
             score_groups, task, group_size=grpo.group_size, max_tokens=cfg.generator.sampling.max_tokens,
             overlong=grpo.overlong, overlong_buffer=grpo.overlong_buffer,
@@ -74,8 +81,9 @@ class BatchBuilder:
         )
 
     def build(self, prompts: list[Prompt], rollouts, *,
-              refill: Callable[[int, int], tuple[list[Prompt], object]]) -> StepBatch:
-        """``refill(round, n)``: (prompts, rollouts) of dynamic sampling's extra draw ``round``, n prompts."""
+              refill: Callable[[int, int], tuple[list[Prompt], object]], version: int = 0) -> StepBatch:
+        """``refill(round, n)``: (prompts, rollouts) of dynamic sampling's extra draw ``round``, n prompts;
+        ``version``: the weight version pi_old is (the step), from which tokens' versions are aged."""
         cfg, trainer = self.cfg, self.trainer
         P, G = cfg.grpo.prompts_per_step, cfg.grpo.group_size
         temperature = cfg.generator.sampling.temperature
@@ -106,27 +114,35 @@ class BatchBuilder:
         per_rank = P * G // trainer.dp_size
         rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
-        gen_routes_BLNK = None if batch.routes is None else pack_routes(batch.routes, tokens_BL.shape[1])[rows]
-        replay_BLNK = gen_routes_BLNK if cfg.grpo.routing_replay else None
-        trainer_lp_BL, routes_BLNK = trainer.token_logprobs_and_routes(
-            tokens_BL, temperature=temperature, mask_BL=mask_BL, replay_BLNK=replay_BLNK)
-        trainer_lp_BL = trainer_lp_BL.cpu()
-        routing = {}
-        if routes_BLNK is not None and gen_routes_BLNK is not None:  # the trainer's own choices vs the generator's
-            routing = routing_mismatch(routes_BLNK, gen_routes_BLNK)
-            routing = self._reduce_counts(routing, count="routing_tokens")
+        ref_lp_BL, replay_BLNK, routing = None, None, {}
+        if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch); dense only
+            trainer_lp_BL, ref_lp_BL = self._by_group(batch, rows, mask_BL)
+        else:
+            gen_routes_BLNK = None if batch.routes is None else pack_routes(batch.routes, tokens_BL.shape[1])[rows]
+            replay_BLNK = gen_routes_BLNK if cfg.grpo.routing_replay else None
+            trainer_lp_BL, routes_BLNK = trainer.token_logprobs_and_routes(
+                tokens_BL, temperature=temperature, mask_BL=mask_BL, replay_BLNK=replay_BLNK)
+            trainer_lp_BL = trainer_lp_BL.cpu()
+            if routes_BLNK is not None and gen_routes_BLNK is not None:  # the trainer's choices vs the generator's
+                routing = self._reduce_counts(routing_mismatch(routes_BLNK, gen_routes_BLNK),
+                                              count="routing_tokens")
         mismatch = self._reduce(logprob_mismatch(trainer_lp_BL, gen_lp_BL, mask_BL), mask_BL)
         sampling = cfg.generator.sampling
         if sampling.top_p < 1 or sampling.top_k != -1:  # the generator's logprobs are the truncated distribution's
             mismatch = dict.fromkeys(mismatch, float("nan"))
+        # Partial rollouts and in-flight updates: a sequence's tokens may come from several versions; mu is each
+        # token's own sampler (its generator logprob), so the correction below is per token whatever the mix.
+        ages_BL = None
+        if batch.versions is not None:
+            ages_BL = version - pack_versions(batch.prompt_ids, batch.versions, length=tokens_BL.shape[1])[rows]
         # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
         is_weights_BL, is_stats = importance_weights(
             trainer_lp_BL, gen_lp_BL, mask_BL, mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
             level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
+            ages_BT=ages_BL, max_age=self.max_age,
         )
         is_stats = self._reduce(is_stats, mask_BL)
-        ref_lp_BL = None
-        if self.reference is not None:  # the frozen initial policy of the KL term
+        if self.reference is not None and not cfg.generator.stream_groups:  # the frozen initial policy of the KL term
             ref_lp_BL = self.reference.token_logprobs(tokens_BL, temperature=temperature, mask_BL=mask_BL).cpu()
         return StepBatch(
             drawn=drawn,
@@ -146,6 +162,54 @@ class BatchBuilder:
         dist.all_reduce(sums)
         total = max(sums[list(local).index(count)].item(), 1.0)
         return {k: (s if k == count else s / total) for k, s in zip(local, sums.tolist())}
+
+    def prefetch(self, groups: list[tuple[int, object]]) -> None:
+        """generator.stream_groups: pi_old (and the reference's logprobs) of groups that finished while the step's
+        other samples are still generated, kept for ``build`` (collective: every rank gets the same groups)."""
+        for _, rollouts in groups:
+            self._recompute(rollouts.prompt_ids, rollouts.completion_ids)
+
+    def _recompute(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
+        """One group's rows through the trainer (and the reference): each data-parallel rank a block of them,
+        gathered, so every rank holds them all. A group is recomputed alone whenever it finished, so its
+        numbers do not depend on which groups streamed in together."""
+        T, dp = self.cfg.generator.sampling.temperature, self.trainer.dp_size
+        tokens_BL, mask_BL, _ = pack_rollouts(prompt_ids, completion_ids, [[0.0] * len(c) for c in completion_ids],
+                                              pad_id=self.task.pad_id)
+        share = -(-len(prompt_ids) // dp)
+        a = min(len(prompt_ids), self.trainer.dp_rank * share)
+        b = min(len(prompt_ids), a + share)
+        mine = [model.token_logprobs(tokens_BL[a:b], temperature=T, mask_BL=mask_BL[a:b]).cpu()
+                for model in (self.trainer, self.reference) if model is not None]
+        parts = [(a, b, mine)]
+        if dist.get_world_size() > 1:  # tensor-parallel peers send the same block twice: the same rows
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, (a, b, mine))
+        for a, b, logprobs in parts:
+            for r in range(a, b):
+                n = len(prompt_ids[r]) + len(completion_ids[r])
+                self.early[(tuple(prompt_ids[r]), tuple(completion_ids[r]))] = (
+                    logprobs[0][r - a, :n], logprobs[1][r - a, :n] if len(logprobs) > 1 else None)
+
+    def _by_group(self, batch: Groups, rows: slice, mask_BL: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's rows' pi_old (and reference) logprobs from the groups recomputed alone: the early ones
+        (``prefetch``), the others now; 0 off ``mask_BL``."""
+        G = batch.group_size
+        key = [(tuple(p), tuple(c)) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+        for g in range(len(batch)):
+            if any(k not in self.early for k in key[g * G:(g + 1) * G]):  # the same groups on every rank
+                self._recompute(batch.prompt_ids[g * G:(g + 1) * G], batch.completion_ids[g * G:(g + 1) * G])
+        trainer_BL = torch.zeros(mask_BL.shape)
+        ref_BL = torch.zeros(mask_BL.shape) if self.reference is not None else None
+        for i, k in enumerate(key[rows]):
+            lp, ref = self.early[k]
+            trainer_BL[i, : len(lp)] = lp
+            if ref_BL is not None:
+                ref_BL[i, : len(ref)] = ref
+        self.early = {}
+        scored = mask_BL.bool()
+        return torch.where(scored, trainer_BL, 0.0), None if ref_BL is None else torch.where(scored, ref_BL, 0.0)
 
     def _reduce(self, local: dict[str, float], mask_BL: torch.Tensor) -> dict[str, float]:
         """Per-token statistics of this rank's rows over all ranks' tokens: keys ending in _max by max,

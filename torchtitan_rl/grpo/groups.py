@@ -42,6 +42,8 @@ class Groups:
     """bool: the task calls the completion correct (Task.correct): what DAPO's filter reads."""
     routes: list | None = None
     """MoE: the generator's expert choices of each completion (engine/rollouts.py); None: not handed over."""
+    versions: list[list[int]] | None = None
+    """The weight version of each completion token (Rollouts.versions); None: the batch's one version."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -67,6 +69,7 @@ class Groups:
             truncated_B=self.truncated_B[rows],
             correct_B=self.correct_B[rows],
             routes=None if self.routes is None else [self.routes[r] for r in rows],
+            versions=None if self.versions is None else [self.versions[r] for r in rows],
         )
 
     @staticmethod
@@ -86,7 +89,16 @@ class Groups:
             truncated_B=torch.cat([p.truncated_B for p in parts]),
             correct_B=torch.cat([p.correct_B for p in parts]),
             routes=None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes],
+            versions=_joined_versions(parts),
         )
+
+
+def _joined_versions(parts: list[Groups]) -> list[list[int]] | None:
+    """The parts' per-token versions, in order; None when no part has any (a part without takes none)."""
+    if all(p.versions is None for p in parts):
+        return None
+    assert all(p.versions is not None for p in parts), "per-token versions on some parts only"
+    return [v for p in parts for v in p.versions]
 
 
 def shared_scores(score: Callable[[int], tuple[float, ...]], n: int, *, device: torch.device) -> Tensor:
@@ -142,6 +154,7 @@ def score_groups(
         group_size=G, prompts=list(prompts), prompt_ids=rollouts.prompt_ids, completion_ids=completions,
         logprobs=rollouts.logprobs, loss_mask=rollouts.loss_mask, task_rewards_B=task_rewards_B,
         rewards_B=rewards_B, truncated_B=truncated_B, correct_B=correct_B, routes=rollouts.routes,
+        versions=rollouts.versions,
     )
 
 

@@ -190,6 +190,8 @@ def importance_weights(
     mode: Literal["off", "truncate", "mask"],
     cap: float,
     level: Literal["token", "sequence"] = "token",
+    ages_BT: Tensor | None = None,
+    max_age: int = 0,
 ) -> tuple[Tensor | None, dict[str, float]]:
     """Per-token weight w of the off-policy correction from rho = pi_old / mu, and its statistics.
 
@@ -203,11 +205,16 @@ def importance_weights(
         cap: C > 1.
         level: token: rho of each token; sequence (GSPO's): every token of a sequence takes the
             sequence's geometric mean exp(mean_t log(pi_old / mu)), capped or masked as one.
+        ages_BT: how many weight versions each token's sampler is behind pi_old (partial rollouts: the
+            tokens of one sequence may differ; mu is each token's own sampler, so rho is per token whatever
+            the mix); None: not reported.
+        max_age: the largest age allowed (grpo.partial.max_token_age); ages_BT must stay within it.
 
     Returns the weights (float32, 0 off the mask; None when off) and metrics
     over the scored tokens: ``is_weight_mean`` and ``is_weight_max`` of rho
     before the cap, and ``is_capped_frac``, the share of tokens the cap changed
-    (0 when off).
+    (0 when off); with ``ages_BT``, ``version_age_{k}_frac`` for k in 0..max_age (the share of
+    tokens sampled k versions back) and ``version_age_max``.
     """
     mask_BT = mask_BT.bool()
     log_rho_BT = torch.where(mask_BT, old_logprobs_BT.float() - generator_logprobs_BT.float(), 0.0)
@@ -229,8 +236,16 @@ def importance_weights(
         capped_BT, weights_BT = torch.zeros_like(mask_BT), None
     valid = int(mask_BT.sum().item())
     n = max(valid, 1)
-    return weights_BT, {
+    stats = {
         "is_weight_mean": rho_BT.sum().item() / n,
         "is_weight_max": rho_BT[mask_BT].max().item() if valid else 0.0,
         "is_capped_frac": capped_BT.sum().item() / n,
     }
+    if ages_BT is not None:
+        ages = ages_BT[mask_BT]
+        assert ages.numel() == 0 or 0 <= ages.min().item() and ages.max().item() <= max_age, (
+            "a token older than grpo.partial.max_token_age reached the loss", ages.min().item(), ages.max().item())
+        for k in range(max_age + 1):  # every age up to the bound: the keys are the same on every rank and step
+            stats[f"version_age_{k}_frac"] = (ages == k).sum().item() / n
+        stats["version_age_max"] = float(ages.max().item()) if valid else 0.0
+    return weights_BT, stats

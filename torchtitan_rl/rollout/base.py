@@ -14,6 +14,9 @@ taken (the own-rank layout serves requests in order; the server may run
 requests concurrently, and its ``sync`` waits for the ones made before it). This is what
 lets the loop keep requests in flight while it trains (grpo.max_staleness)
 and still know which weights each batch came from (``Rollouts.weight_version``).
+With generator.inflight_updates (own-rank layout) a sync also reaches the request
+running on a replica, from its next engine step on; its tokens then record their
+versions one by one (``Rollouts.versions``).
 """
 
 from collections.abc import Callable
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from torchtitan_rl.config import SamplingConfig
 from torchtitan_rl.engine.rollouts import Done, Rollouts
 
-__all__ = ["Done", "Later", "Pending", "RolloutGenerator", "Rollouts", "prompt_blocks"]
+__all__ = ["Done", "Later", "Pending", "RolloutGenerator", "Rollouts", "block_request", "prompt_blocks"]
 
 if TYPE_CHECKING:  # annotations only: the interface module stays free of torch
     import torch
@@ -35,6 +38,15 @@ def prompt_blocks(prompts: int, parts: int) -> list[tuple[int, int]]:
     for i in range(parts):
         bounds.append(bounds[-1] + size + (i < extra))
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def block_request(prompts: list[list[int]], generate_kwargs: dict, a: int, b: int) -> tuple[list[list[int]], dict]:
+    """Prompts [a, b) of a request and Engine.generate's arguments for them alone: ``first_prompt`` a, and a
+    partial-rollouts request (``partial``) cut to its block."""
+    kwargs = {**generate_kwargs, "first_prompt": a}
+    if kwargs.get("partial") is not None:
+        kwargs["partial"] = kwargs["partial"].block(a, b, n=kwargs["n"])
+    return prompts[a:b], kwargs
 
 
 class Pending(Protocol):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.engine.engine import SLEEP_LEVELS, Engine
-from torchtitan_rl.rollout.base import Done, Rollouts, prompt_blocks
+from torchtitan_rl.rollout.base import Done, Rollouts, block_request, prompt_blocks
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync.sync import WeightSync
 
@@ -90,8 +90,9 @@ class ColocatedGenerator:
         rank 0 for all of them; every rank gets the whole batch, blocks in rank order."""
         if self.every_rank:
             a, b = prompt_blocks(len(prompts), dist.get_world_size())[dist.get_rank()]
+            block, kwargs = block_request(prompts, generate_kwargs, a, b)
             parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, self.generator.generate(prompts[a:b], first_prompt=a, **generate_kwargs))
+            dist.all_gather_object(parts, self.generator.generate(block, **kwargs))
             return Rollouts.concat(parts)
         payload = [None]
         if self.generator is not None:

@@ -29,6 +29,8 @@ class StepMetrics:
     routing: dict[str, float]
     """MoE: routing_mismatch (the fraction of tokens whose top-k experts differ between the generator's forward
     and the trainer's recompute), routing_mismatch_layers, routing_tokens; {} for a dense model."""
+    partial: dict[str, float]
+    """grpo.partial's carried and dropped samples; {} when off."""
     completion_tokens: float
     """Generated this step, dynamic sampling's refills included."""
     weight_version: int
@@ -52,6 +54,15 @@ class StepMetrics:
             value = getattr(self, field.name)
             flat.update(value if isinstance(value, dict) else {field.name: value})
         return flat
+
+
+TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill"})
+"""Shares of a generate's wall time (engine/trace.py): timings, though their names do not end in _s."""
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metrics.jsonl key is a timing, which two runs of one seed need not share (all else they do)."""
+    return key.endswith("_s") or key in TIMING_SHARES
 
 
 class MetricsLogger:

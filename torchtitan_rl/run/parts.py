@@ -65,6 +65,13 @@ def check_moe(cfg: JobConfig, shape) -> None:
     if cfg.grpo.routing_replay and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"grpo.routing_replay: needs the generator's expert choices, which only a colocated "
                          f"engine hands over (weight_sync.transport 'inplace', got '{cfg.weight_sync.transport}')")
+    if cfg.grpo.partial.enable:
+        raise ValueError("grpo.partial.enable: a cut sample's expert choices would span the generates that sampled "
+                         "it, which the route log does not join (routing_mismatch, grpo.routing_replay); set it "
+                         "false for an MoE model")
+    if cfg.generator.stream_groups:
+        raise ValueError("generator.stream_groups: a streamed group is recomputed before its expert choices are "
+                         "filed (routing_mismatch, grpo.routing_replay); set it false for an MoE model")
     lora = cfg.model.lora
     if lora.rank and not {"wqkv", "wo"} & set(lora.target_modules):
         raise ValueError(f"model.lora.target_modules: {list(lora.target_modules)} are the dense MLP's linears, which "

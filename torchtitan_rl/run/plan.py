@@ -27,13 +27,14 @@ FIXED = {
     "model.vocab_size": "the model's shape", "model.lora.rank": "the trained adapters",
     "model.lora.alpha": "the trained adapters", "model.lora.target_modules": "the trained adapters",
     "grpo.task": "the prompts and their saved position", "grpo.task_without_checkpoint": "the prompts",
+    "grpo.partial.enable": "the unfinished samples its checkpoints hold, or not",
     **{f"task.{name}": "the prompts and their saved position" for name in (
         "tokenizer", "levels", "heldout_size", "path", "heldout_path", "heldout_fraction", "prompt_field",
         "answer_field")},
 }
 """Fields a resume refuses to change, and what they fixed; every other field may change and takes effect."""
 FIXED_WITH_QUEUED = ("grpo.prompts_per_step", "grpo.group_size", "generator.sampling.")
-"""Also fixed when the run had grpo.max_staleness > 0: its checkpoint holds rollouts drawn with them."""
+"""Also fixed when the run had grpo.max_staleness > 0 or grpo.partial: its checkpoint holds rollouts drawn with them."""
 
 
 def plan_run(cfg: JobConfig, *, say=print) -> RunPlan:
@@ -88,7 +89,7 @@ def _extension_note(saved: JobConfig | None, cfg: JobConfig, step: int) -> str:
 
 def check_changes(saved: JobConfig, cfg: JobConfig, *, since: str, say=print) -> None:
     """One line per field changed since the saved run; ValueError naming the first that cannot change."""
-    queued = saved.grpo.max_staleness > 0
+    queued = saved.grpo.max_staleness > 0 or saved.grpo.partial.enable
     for path, old, new in config_diff(saved, cfg):
         if path in NOT_COMPARED or path in SECRETS:  # config.toml shows secrets redacted: never compared, never printed
             continue

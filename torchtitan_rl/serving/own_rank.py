@@ -10,9 +10,14 @@ drives; each replica answers its own mailbox in order:
     trainer rank 0 (RemoteGenerator)          each generator replica (serve)
     "start"                                   builds its sync plan (NcclReceiver)
     "sync"     + NcclSender.sync (all ranks)  NcclReceiver.receive (one broadcast feeds all replicas)
-    "generate" {its block of prompts,         Engine.generate -> the pickled Rollouts
-                first_prompt, n, seed, ...}
+    "generate" {its block of prompts,         Engine.generate -> the pickled Rollouts; with "stream", each
+                first_prompt, n, seed, ...}     finished group first, on a box of its own ("group")
     "stop"     (also after a trainer error)   closes the engine, returns
+
+With generator.inflight_updates a "sync" that arrives while a "generate" runs
+is received between two of its engine steps (``_sync_in_flight``): the
+running samples go on with the new weights, each token recording its version
+(docs/design.md, "Partial rollouts and in-flight updates").
 
 A request's prompts are split over the replicas in contiguous blocks
 (``prompt_blocks``); each replica seeds its samples by their global prompt
@@ -34,6 +39,7 @@ Every wait that only a crash on the other side could make endless gives up
 after ``weight_sync.peer_timeout_s`` with a RuntimeError.
 """
 
+import functools
 import pickle
 import time
 from pathlib import Path
@@ -60,8 +66,8 @@ class Mailbox:
     def __init__(self, store: dist.Store, *, timeout_s: float, peer: str, replica: int = 0) -> None:
         self.store = dist.PrefixStore(f"{_PREFIX}/{replica}", store)
         self.timeout_s, self.peer = timeout_s, peer
-        self.sent = {"msg": 0, "reply": 0}
-        self.read = {"msg": 0, "reply": 0}
+        self.sent = {"msg": 0, "reply": 0, "group": 0}
+        self.read = {"msg": 0, "reply": 0, "group": 0}
 
     def put(self, box: str, value) -> None:
         self.store.set(f"{box}/{self.sent[box]}", pickle.dumps(value))
@@ -70,6 +76,16 @@ class Mailbox:
     def waiting(self, box: str) -> bool:
         """Whether the next ``box`` entry has arrived."""
         return self.store.check([f"{box}/{self.read[box]}"])
+
+    def arrived(self, box: str, index: int) -> bool:
+        """Whether ``box`` entry ``index`` is there (not yet read: the reader deletes what it reads)."""
+        return self.store.check([f"{box}/{index}"])
+
+    def peek(self, box: str):
+        """The next ``box`` entry if it has arrived (left for ``get``), else None; does not wait."""
+        if not self.waiting(box):
+            return None
+        return pickle.loads(self.store.get(f"{box}/{self.read[box]}"))
 
     def get(self, box: str, what: str):
         key = f"{box}/{self.read[box]}"
@@ -103,6 +119,8 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
         if mailbox.get("msg", "start message")["op"] == "stop":  # the trainer failed before its first sync
             return
         receiver = NcclReceiver(generator=generator, world=world, timeout_s=cfg.weight_sync.peer_timeout_s)
+        served = 0
+        """Generate requests answered: the trainer numbers them alike."""
         while True:
             request = mailbox.get("msg", "request")
             op = request.pop("op")
@@ -112,14 +130,35 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
                 _receive(receiver, mailbox, cfg.weight_sync.peer_timeout_s)
                 continue
             assert op == "generate", op
+            between_steps = None
+            if cfg.generator.inflight_updates:  # a sync posted meanwhile lands between two engine steps
+                between_steps = functools.partial(_sync_in_flight, receiver, mailbox, cfg.weight_sync.peer_timeout_s)
+            on_group = None
+            if request.pop("stream", False):  # generator.stream_groups: each group as soon as it is finished
+                on_group = functools.partial(_post_group, mailbox, request=served, first=request["first_prompt"])
             try:
-                rollouts = generator.generate(request.pop("prompts"), **request)
+                rollouts = generator.generate(request.pop("prompts"), between_steps=between_steps, on_group=on_group,
+                                              **request)
             except Exception as e:  # the trainer raises it too, rather than wait for rollouts
                 mailbox.put("reply", {"error": f"{type(e).__name__}: {e}"})
                 raise
-            mailbox.put("reply", {"rollouts": rollouts})
+            mailbox.put("reply", {"rollouts": rollouts})  # after its groups: the trainer's end of the stream
+            served += 1
     finally:
         generator.close()
+
+
+def _post_group(mailbox: Mailbox, group: int, rollouts, *, request: int, first: int) -> None:
+    """generator.stream_groups: one finished group of request ``request``, numbered in the whole request."""
+    mailbox.put("group", {"request": request, "group": first + group, "rollouts": rollouts})
+
+
+def _sync_in_flight(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
+    """generator.inflight_updates: the syncs at the head of the mailbox, received now, between two engine steps
+    of the generate in progress (a "generate" at the head waits: it was posted before them)."""
+    while (message := mailbox.peek("msg")) is not None and message["op"] == "sync":
+        mailbox.get("msg", "request")
+        _receive(receiver, mailbox, timeout_s)
 
 
 def _receive(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
