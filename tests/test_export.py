@@ -348,6 +348,19 @@ def test_moe_export_loads_in_native_vllm_as_qwen3_moe(tmp_path):
     tokens_BL = torch.randint(0, shape.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     want = hf_logprobs(out, tokens_BL)
 
-    got, model_cls = vllm_native_prompt_logprobs(out, tokens_BL)
+    # Its own process: vLLM keeps one set of groups per process, and a dense engine built earlier in this one
+    # left out the expert-parallel group vLLM's own MoE layer asks for (a run builds one engine).
+    torch.save(tokens_BL, tmp_path / "tokens.pt")
+    proc = run_module("tests.test_export", str(out), str(tmp_path / "tokens.pt"), str(tmp_path / "got.pt"),
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, model_cls = torch.load(tmp_path / "got.pt")
     assert model_cls == "vllm.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM", model_cls
     torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+if __name__ == "__main__":  # python -m tests.test_export FOLDER TOKENS OUT: vLLM's native prompt logprobs
+    import sys
+
+    folder, tokens, result = sys.argv[1:]
+    torch.save(vllm_native_prompt_logprobs(folder, torch.load(tokens)), result)

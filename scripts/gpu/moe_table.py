@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROWS = {"small": "debugmodel_moe, 1 GPU", "small_r3": "debugmodel_moe, 1 GPU, routing replay",
         "a3b_1gpu": "Qwen3-30B-A3B shape, 1 GPU (offload, engine asleep)",
-        "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, engine asleep)"}
+        "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)"}
 HEADING = "## Mixture of experts"
 
 

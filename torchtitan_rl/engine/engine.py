@@ -4,6 +4,9 @@ Built from ``EngineArgs`` + ``LLMEngine`` (in-process, so the weight sync can
 write the model's tensors directly). It starts from dummy weights, poisons
 them with NaN, and refuses to generate until the first sync arrives; every
 batch of rollouts records the weight version it was sampled with.
+
+Long: one generate is one loop over vLLM's engine steps, and what partial rollouts, in-flight updates and
+streaming add (where a sample stops, which version each token has, which group is done) happens inside it.
 """
 
 import dataclasses
@@ -20,7 +23,7 @@ from torchtitan_rl import collector, compat
 from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.lengths import response_length
-from torchtitan_rl.engine.moe import RouteLog, fill_shared_prompts
+from torchtitan_rl.engine.moe import RouteLog
 from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts
 from torchtitan_rl.engine.trace import TraceRecorder
 from torchtitan_rl.models.shape import ModelShape
@@ -460,20 +463,8 @@ class Engine:
         out = rows(0, len(requests))
         out.generate_s, out.idle_s, out.trace = time.perf_counter() - started, idle_s, trace.finish()
         if self._route_log is not None:
-            out.routes = self._routes(requests, out, n=n)
+            out.routes = self._route_log.samples([rid for rid, _ in requests], out.prompt_ids, out.completion_ids, n=n)
         return out
-
-    def _routes(self, requests: list, out: Rollouts, *, n: int) -> list:
-        """MoE: each sample's expert choices from the route log (then emptied), a prompt position that prefix
-        caching skipped taking a sibling sample's."""
-        # The generator computed every position but the last token's (never fed back in).
-        routes = [self._route_log.take(rid, len(p) + len(c) - 1)
-                  for (rid, _), p, c in zip(requests, out.prompt_ids, out.completion_ids)]
-        self._route_log.clear()
-        lens = [len(p) for p in out.prompt_ids]
-        for i in range(len(requests) // n):
-            fill_shared_prompts(routes, lens, list(range(i * n, (i + 1) * n)))
-        return routes
 
     def _rows(self, requests: list, a: int, b: int, *, version: int, so_far: Rollouts | None, finished: dict,
               cut: dict, changes: dict, partial: bool) -> Rollouts:

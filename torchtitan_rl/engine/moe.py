@@ -122,6 +122,17 @@ class RouteLog:
     def clear(self) -> None:
         self._parts.clear()
 
+    def samples(self, rids: list[str], prompt_ids: list[list[int]], completion_ids: list[list[int]], *,
+                n: int) -> list[np.ndarray]:
+        """The choices of a generate's samples (``n`` per prompt, group-contiguous, request ``rids``) at every
+        position but the last token's (never fed back in); then forgets every request."""
+        routes = [self.take(rid, len(p) + len(c) - 1) for rid, p, c in zip(rids, prompt_ids, completion_ids)]
+        self.clear()
+        lens = [len(p) for p in prompt_ids]
+        for i in range(len(rids) // n):
+            fill_shared_prompts(routes, lens, list(range(i * n, (i + 1) * n)))
+        return routes
+
 
 def fill_shared_prompts(routes: list[np.ndarray], prompt_lens: list[int], group: list[int]) -> None:
     """Samples of one prompt share its prefix: a prompt position one sample took from the prefix cache gets

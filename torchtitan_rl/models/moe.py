@@ -21,6 +21,11 @@ COUNTER = "tokens_per_expert_E"
 so the sync leaves it out on both sides."""
 
 
+ROUTING_BIAS = "expert_bias_E"
+"""torchtitan's per-layer routing bias (a buffer; model.moe_load_balance_coeff > 0): trained state, so a checkpoint
+keeps it as it keeps the parameters."""
+
+
 def synced(name: str) -> bool:
     """Whether a parameter or buffer of this name is part of the model the generator computes with."""
     return not name.endswith(COUNTER)

@@ -7,25 +7,24 @@ expert, and the experts stacked per layer: ``w1_EFD`` (gate), ``w3_EFD`` (up) [e
 Qwen3StateDictAdapter, which splits and stacks them.
 """
 
+import dataclasses
+
 import torch
 
-from torchtitan_rl.models.shape import Family, ModelShape
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan_rl.models.qwen3 import QWEN3
+from torchtitan_rl.models.shape import ModelShape
 
-QWEN3_MOE = Family(
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
     name="qwen3_moe",
     hf_architecture="Qwen3MoeForCausalLM",
     model_type="qwen3_moe",
-    qk_norm=True,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    state_dict_adapter=Qwen3StateDictAdapter,
     # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers); the router's aux loss is not ours.
-    hf_config_extra={"use_sliding_window": False, "sliding_window": None, "attention_dropout": 0.0,
-                     "decoder_sparse_step": 1, "mlp_only_layers": [], "output_router_logits": False,
-                     "router_aux_loss_coef": 0.0},
+    hf_config_extra={**QWEN3.hf_config_extra, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                     "output_router_logits": False, "router_aux_loss_coef": 0.0},
     moe=True,
 )
+"""Qwen3's attention and norms (the same state-dict adapter), every MLP a mixture of experts."""
 
 EXPERT_KEYS = ("w1_EFD", "w3_EFD", "w2_EDF")
 """The stacked expert tensors of one layer (under ``moe.routed_experts.inner_experts.``)."""
