@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from torchtitan_rl.models import qwen3
 from torchtitan_rl.models.qwen3 import QWEN3
 from torchtitan_rl.models.shape import ModelShape
 
@@ -35,21 +36,17 @@ def _shape(**fields) -> ModelShape:
                       **fields)
 
 
+def _with_experts(dense: ModelShape, **fields) -> ModelShape:
+    """A dense Qwen3 flavor's attention and sizes, every MLP a mixture of experts."""
+    return dataclasses.replace(dense, family=QWEN3_MOE, **fields)
+
+
 FLAVORS: dict[str, ModelShape] = {
-    # The tiny Qwen3's attention with 8 experts (top 2) per layer: learns the digit task on 2 CPU cores.
-    "tiny-moe": _shape(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=192,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-        vocab_size=0, max_position_embeddings=512, tie_word_embeddings=True,
-    ),
+    # The tiny Qwen3 with 8 experts (top 2) per layer: learns the digit task on 2 CPU cores.
+    "tiny-moe": _with_experts(qwen3.FLAVORS["tiny"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64),
     # torchtitan's debugmodel_moe (not tied: torchtitan's MoE flavors are not).
-    "debugmodel_moe": _shape(
-        hidden_size=256, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, intermediate_size=3072,
-        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=768,
-        vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=False,
-    ),
+    "debugmodel_moe": _with_experts(qwen3.FLAVORS["debugmodel"], num_experts=64, num_experts_per_tok=8,
+                                    moe_intermediate_size=768, tie_word_embeddings=False),
     "30B-A3B": _shape(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
         num_key_value_heads=4, head_dim=128, intermediate_size=6144,
