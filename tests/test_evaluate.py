@@ -56,16 +56,26 @@ def test_a_runs_export_and_checkpoint_score_in_the_evaluator_what_the_loops_fina
     from_checkpoint = run_module("torchtitan_rl.evaluate", "--run-dir", str(tmp_path / "out"), "--step", "1",
                                  "--out", str(tmp_path / "ckpt.json"), timeout=300)
     assert from_checkpoint.returncode == 0, from_checkpoint.stderr
+    # The run's own export, scored with the run's settings (its held-out set included).
+    own = run_module("torchtitan_rl.evaluate", "--run-dir", str(folder), "--model", str(folder / "hf"),
+                     "--out", str(tmp_path / "own.json"), timeout=300)
+    assert own.returncode == 0, own.stderr
     a = json.loads((tmp_path / "hf.json").read_text())
     b = json.loads((tmp_path / "ckpt.json").read_text())
+    c = json.loads((tmp_path / "own.json").read_text())
     for name in ("words",):
         # Same prompts, same greedy completions, same verdicts as the loop's final evaluation.
         assert _report_problems(a, name) == _samples(folder, 1, name)
         assert a["metrics"][f"eval_accuracy/{name}"] == final[f"eval_accuracy/{name}"]
-    for name in ("words", "sample"):  # the run's own sets and settings (its instruction for 'sample')
-        assert _report_problems(b, name) == _samples(folder, 1, name)[: len(_report_problems(b, name))]
-        assert b["metrics"][f"eval_accuracy/{name}"] == final[f"eval_accuracy/{name}"]
-    assert "Answer with a number." in b["sets"]["sample"]["problems"][0]["prompt"]
+    for report in (b, c):
+        for name in ("words", "sample", "heldout"):  # the run's own sets and settings (its instruction for 'sample')
+            logged = _samples(folder, 1, name)  # the first samples_per_eval of each set
+            assert logged and _report_problems(report, name)[: len(logged)] == logged
+            key = "eval_accuracy" + ("" if name == "heldout" else f"/{name}")
+            assert report["metrics"][key] == report["sets"][name]["accuracy"] == final[key]
+        assert report["sets"]["heldout"]["prompts"] == final["eval_prompts"] == 8
+        assert "Answer with a number." in report["sets"]["sample"]["problems"][0]["prompt"]
+    assert "heldout" not in a["sets"]  # a folder alone has no task
 
 
 EASY = [("What is 2 + 2?", "4"), ("What is 1 + 1?", "2"), ("What is 3 + 3?", "6"), ("What is 10 + 10?", "20"),

@@ -21,7 +21,6 @@ CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 8
 ARGS = ["--config", str(CPU_TINY), "--trainer.steps", str(STEPS), "--grpo.prompts_per_step", "8",
         "--trainer.checkpoint.enable", "--trainer.checkpoint.interval", "2"]
-"""Wall-clock metrics: the only ones that differ between two runs of the same config."""
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:

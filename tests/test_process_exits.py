@@ -243,3 +243,35 @@ def test_a_user_error_rank_0_finds_ends_the_other_ranks_quietly(tmp_path):
         stderr[-3000:]
     assert not out.exists()  # no error_rank1.txt with a SystemExit traceback
     assert proc.returncode == 2
+
+
+def _lines_with_times(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], float]:
+    """Every non-empty line the process wrote (stdout and stderr merged; a progress bar's \\r ends a line), with the
+    time it arrived, and the time the process ended."""
+    lines, tail = [], b""
+    while chunk := os.read(proc.stdout.fileno(), 65536):
+        now = time.monotonic()
+        *done, tail = (tail + chunk).replace(b"\r", b"\n").split(b"\n")
+        lines += [(now, line.decode(errors="replace")) for line in done if line.strip()]
+    proc.wait()
+    if tail.strip():
+        lines.append((time.monotonic(), tail.decode(errors="replace")))
+    return lines, time.monotonic()
+
+
+@pytest.mark.slow  # a real engine's start-up: ~15 s
+def test_a_finished_run_exits_within_2_s_of_its_last_line(tmp_path):
+    """The summary line is the last thing a run does: the engine shuts down before it, and the interpreter's
+    teardown (3.9 s on this machine before: vLLM's and torch's finalizers) is skipped (run/exits.py)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
+         str(tmp_path), "--grpo.prompts_per_step", "8", "--trainer.steps", "2"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    with _reaped(proc):
+        lines, ended = _lines_with_times(proc)
+    assert proc.returncode == 0, lines[-20:]
+    last_at, last = lines[-1]
+    assert last.startswith("torchtitan_rl: mean reward"), lines[-5:]
+    assert ended - last_at < 2.0, ended - last_at

@@ -197,6 +197,16 @@ def set_num_threads(n: int) -> None:
     torch._C.set_num_threads(n)
 
 
+def set_compile_threads(n: int) -> None:
+    """Inductor's compile workers in this process: its config reads TORCHINDUCTOR_COMPILE_THREADS once, when
+    torch._inductor.config is first imported, so a config imported before is set directly."""
+    import sys
+
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = n
+
+
 def enable_batch_invariant_kernels() -> None:
     """Install vLLM's batch-invariant aten overrides (CUDA) in this process.
 

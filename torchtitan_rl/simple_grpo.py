@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from torchtitan_rl import collector
-from torchtitan_rl.run.exits import RankExits, one_line_errors
+from torchtitan_rl.run.exits import RankExits, end_when_done, one_line_errors
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml
 from torchtitan_rl.config.validation import effective_task, redacted_dict
 from torchtitan_rl.disk import refused, release, reserve, write_error
@@ -69,12 +69,14 @@ def train(cfg: JobConfig) -> list[dict]:
 
         from torchtitan_rl.config import validate
         from torchtitan_rl.distributed.process_group import init_process_group
+        from torchtitan_rl.distributed.threads import set_host_threads
         from torchtitan_rl.distributed.world import init_world
         from torchtitan_rl.engine.engine import check_sleep
         from torchtitan_rl.export import SNAPSHOT, export_size, snapshot
         from torchtitan_rl.grpo.builder import BatchBuilder
         from torchtitan_rl.grpo.eval_sets import load_eval_sets
         from torchtitan_rl.grpo.evaluate import Evaluator
+        from torchtitan_rl.run.fit import fit_this_rank
         from torchtitan_rl.run.parts import run_device, run_shape, run_task
         from torchtitan_rl.run.memory import one_line_oom
         from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
@@ -88,9 +90,14 @@ def train(cfg: JobConfig) -> list[dict]:
     device = run_device(cfg.job.device)  # first: a CUDA config on a CPU machine says so before anything loads
     # parse_args checked the config against torchrun's world; train(cfg) may come from Python.
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), device=device.type)
+    set_host_threads(cfg.job.host_threads, device_type=device.type)  # before the trainer's and vLLM's pools start
     check_sleep(cfg.generator.sleep, device.type)  # here, not after minutes of trainer build
     task = run_task(cfg)
     shape = run_shape(cfg, task)
+    fitted = fit_this_rank(cfg, shape, device=device)  # before the process group: cpu_offload picks its backends
+    if fitted.line and int(os.environ.get("RANK", "0")) == 0:
+        print(f"torchtitan_rl: {fitted.line}", flush=True)
+    cfg = fitted.config
     evaluator = None
     if cfg.eval.every_n_steps:  # every set file read now: a bad one stops the run before its folder exists
         evaluator = Evaluator(cfg.eval, task=task, spec=effective_task(cfg), sampling=cfg.generator.sampling,
@@ -111,7 +118,7 @@ def train(cfg: JobConfig) -> list[dict]:
                            timeout_s=cfg.trainer.collective_timeout_s,
                            weight_timeout_s=cfg.weight_sync.peer_timeout_s)
         if world.role == "generator":
-            _memory_check(cfg, shape, device=device, role="generator", show=True)
+            _memory_check(fitted.estimate, device=device, show=True)
             plan = agree(cfg, store=world.store, generator=True)
             with one_line_oom("the generator rank"):
                 serve(cfg, world=world, shape=shape, workdir=plan.folder)
@@ -119,7 +126,7 @@ def train(cfg: JobConfig) -> list[dict]:
     else:
         init_process_group(device, timeout_s=cfg.trainer.collective_timeout_s,  # the Trainer reuses it
                            cpu_tensors=cfg.trainer.cpu_offload)
-    _memory_check(cfg, shape, device=device, role="trainer" if world else "colocated", show=dist.get_rank() == 0)
+    _memory_check(fitted.estimate, device=device, show=dist.get_rank() == 0)
     # This run's folder (a new run-N, or the resumed run's) and the checkpoint it resumes from: rank 0 decides.
     plan = agree(cfg, store=world.store if world else None)
     out = plan.folder
@@ -170,6 +177,7 @@ def train(cfg: JobConfig) -> list[dict]:
         if cfg.metrics.wandb.project is not None:
             logger.attach_wandb(cfg.metrics.wandb, run_config=redacted_dict(cfg), name=cfg.job.name)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
+        log_s = 0.0
         for step in bar:
             t_step = time.perf_counter()
             # 1. sync: the generator serves the trainer's current weights to the requests made from
@@ -183,10 +191,12 @@ def train(cfg: JobConfig) -> list[dict]:
                 prompts, rollouts = queue.next(step, prefetch=builder.prefetch)  # early groups' pi_old, if streamed
             wait_s = time.perf_counter() - t_step - sync_s
             # held-out accuracy of the weights just synced; the training samples above are already drawn
+            t_eval = time.perf_counter()
             if evaluator and evaluator.due(step):  # a resumed run evaluates where an uninterrupted one does
                 logger.log_eval(step, evaluator.run(generator, step=step))
                 logger.log_samples(step, evaluator.samples)
             # 3-5. score, advantages, this rank's rows with pi_old recomputed
+            t_build = time.perf_counter()
             batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step), version=step)
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
@@ -198,6 +208,7 @@ def train(cfg: JobConfig) -> list[dict]:
             if cfg.generator.sleep != "off":  # the engine wakes at the next sync: give it the gradients' room
                 trainer.release_gradients()
             train_s = time.perf_counter() - t_train
+            build_s = t_train - t_build
             # 7. log
             rewards_B = batch.drawn.task_rewards_B
             completion_tokens = rollouts.generated_tokens()  # generated for the first draw
@@ -211,13 +222,16 @@ def train(cfg: JobConfig) -> list[dict]:
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,
                 generate_s=rollouts.generate_s, wait_rollouts_s=wait_s, generator_idle_s=rollouts.idle_s,
                 tail=rollouts.trace.metrics() if rollouts.trace is not None else {},
-                train_s=train_s, step_s=time.perf_counter() - t_step,
+                evaluation_s=t_build - t_eval, build_s=build_s, recompute_s=batch.recompute_s, train_s=train_s,
+                step_s=time.perf_counter() - t_step, log_s=log_s,
             )
+            t_log = time.perf_counter()
             logger.log(step, record.as_dict())
             bar.set_postfix(
                 reward=f"{record.reward_mean:.3f}", loss=f"{train['loss']:.4f}", kl=f"{train['kl']:.4f}",
                 mismatch=f"{record.mismatch['mismatch_mean']:.1e}", tok_s=f"{record.gen_tokens_per_s:.0f}",
             )
+            log_s = time.perf_counter() - t_log
             # 8. checkpoint, after the step's metrics line is on disk: a resume from it never lacks a line
             if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
                 logger.sync()
@@ -225,9 +239,12 @@ def train(cfg: JobConfig) -> list[dict]:
                                         files={"config.toml": to_toml(cfg)})  # what a resume compares its config with
 
         # Also for a resume of a finished run (start == steps): its final evaluation's line was dropped above.
-        _finish(cfg, evaluator=evaluator, generator=generator,
-                trainer=trainer, logger=logger, shape=shape, run=out, export_dir=export_dir,
-                summary=rank == 0, start=start, started=started)
+        plot = _finish(cfg, evaluator=evaluator, generator=generator, trainer=trainer, logger=logger, shape=shape,
+                       run=out, export_dir=export_dir)
+        generator.close()  # before the last line: the command ends right after it (run.exits.end_when_done)
+        generator = None
+        if rank == 0 and logger.history:
+            _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
     finally:
         if generator is not None:
@@ -236,20 +253,21 @@ def train(cfg: JobConfig) -> list[dict]:
             release(export_dir)  # a run that ended before its export: the room it held
 
 
-def _memory_check(cfg: JobConfig, shape, *, device, role: str, show: bool) -> None:
-    """Print what this rank's GPU will hold; on CUDA refuse, in one line, a run whose certain part cannot fit."""
+def _memory_check(est, *, device, show: bool) -> None:
+    """Print what this rank's GPU will hold (``est``: its role's estimate, run/fit.py); on CUDA refuse, in one line,
+    a run whose certain part cannot fit."""
     import torch
 
     from torchtitan_rl.distributed.process_group import local_device
-    from torchtitan_rl.run.memory import check_fits, estimate, host_available
+    from torchtitan_rl.run.memory import check_fits, host_available
 
     device = local_device(device)
-    free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (host_available(), 0)
-    est = estimate(cfg, shape, world_size=int(os.environ.get("WORLD_SIZE", "1")), device_total=total, role=role)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available()
     if show:
         print(f"torchtitan_rl: {est.summary()}", flush=True)
     # On CPU every rank of this host shares its memory.
-    check_fits(est, free=free if total else free // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), device=str(device))
+    check_fits(est, free=free if est.device_total else free // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+               device=str(device))
 
 
 def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
@@ -265,9 +283,8 @@ def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
     return RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
 
-def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run: Path, export_dir, summary: bool,
-            start: int, started: float) -> None:
-    """After the last step: held-out accuracy of the trained weights, the export, the plot and a summary line."""
+def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run: Path, export_dir) -> Path | None:
+    """After the last step: held-out accuracy of the trained weights, the export and the plot (its path)."""
     if evaluator:
         final_evaluation(cfg, evaluator, generator, trainer, logger)
     if export_dir is not None:  # every trainer rank: sharded tensors are gathered
@@ -276,9 +293,7 @@ def _finish(cfg: JobConfig, *, evaluator, generator, trainer, logger, shape, run
         export_hf(trainer.sync_state(), shape=shape, out_dir=export_dir,
                   tokenizer_dir=run / SNAPSHOT, hf_checkpoint=run / SNAPSHOT, lora=cfg.model.lora,
                   dtype=cfg.model.dtype, kept=lambda: weights_left(run, cfg))
-    plot = logger.close()
-    if summary and logger.history:
-        _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
+    return logger.close()
 
 
 def _print_summary(cfg: JobConfig, logger, *, start: int, wall_s: float, plot) -> None:
@@ -310,5 +325,11 @@ def final_evaluation(cfg: JobConfig, evaluator, generator, trainer, logger) -> N
     logger.log_samples(version, evaluator.samples)
 
 
+def cli() -> None:
+    """The command (``python -m torchtitan_rl.simple_grpo``): ``main``, then the process ends at once (tests and
+    scripts call ``main`` in their own process)."""
+    end_when_done(main)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -103,7 +103,10 @@ report() {  # ROW RC GROUP
   echo "=== $row: exit $rc after $(( $(date +%s) - $(cat "$work/$row.start") )) s on GPUs $(cat "$work/$row.gpus")"
   tr '\r' '\n' < "$work/$row.log" | grep -v "^\s*$" | grep -iE "error|torchtitan_rl:|Traceback|\[bench_trainer\]" \
     | tail -n 10
-  [ "$rc" = 0 ] || tr '\r' '\n' < "$work/$row.log" | tail -n 80 > "$R/${name}_failed.log"
+  if [ "$rc" != 0 ]; then  # the failed rank's own traceback first: the log's tail is the launcher's
+    { cat "$work/$row"/error_rank*.txt 2>/dev/null; tr '\r' '\n' < "$work/$row.log" | grep -v "^frame #" | tail -n 80; } \
+      > "$R/${name}_failed.log"
+  fi
   case $row in trainer*) return ;; esac
   [[ $row == math-* ]] && name=long_tail_math_${row#math-}
   cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null

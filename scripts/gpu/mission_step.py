@@ -4,7 +4,10 @@ run_configs/qwen3_0.6b.toml`` over a few steps, with generator overrides (one va
 Runs the command itself (a subprocess, as a user does) with ``--trainer.steps`` and ``--job.output_dir``
 set, then reads the run's metrics.jsonl (``<output_dir>/latest``) and writes to ``--out``:
 mission_<name>.json (medians of steps ``--skip``.., every step's step_s / generate_s / train_s / sync_s /
-gen_tokens_per_s) and mission_<name>_metrics.jsonl (the run's own file; links do not come back from $OUT).
+gen_tokens_per_s and the loop's other timers; ``start_s``: from the command to step 0's start, i.e. the
+engine's and trainer's builds; ``exit_lag_s``: from the run's last line to the process's end) and
+mission_<name>_metrics.jsonl (the run's own file; links do not come back from $OUT). ``--launch N`` runs it
+under ``python -m torchtitan_rl.launch --nproc-per-node N``; ``--cap-gib G`` under scripts/gpu/capped.py.
 
     python3 scripts/gpu/mission_step.py --name compile --steps 14 -- --generator.compile true
 """
@@ -22,6 +25,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "gen_tokens_per_s")
+OTHER = ("wait_rollouts_s", "evaluation_s", "build_s", "recompute_s", "log_s")
+"""The loop's other timers (absent from runs before they existed)."""
+
+
+def timed_lines(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], float]:
+    """The process's output lines (a progress bar's \\r ends one) with their arrival times, echoed, and its end."""
+    lines, tail = [], b""
+    while chunk := os.read(proc.stdout.fileno(), 65536):
+        now = time.perf_counter()
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        *done, tail = (tail + chunk).replace(b"\r", b"\n").split(b"\n")
+        lines += [(now, line.decode(errors="replace")) for line in done if line.strip()]
+    proc.wait()
+    if tail.strip():
+        lines.append((time.perf_counter(), tail.decode(errors="replace")))
+    return lines, time.perf_counter()
 
 
 def main() -> None:
@@ -31,28 +51,46 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the medians (step 0 compiles)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--launch", type=int, default=0, help="processes under torchtitan_rl.launch (0: one, plain)")
+    parser.add_argument("--cap-gib", type=float, default=0.0, help="run as on a GPU of this many GiB (capped.py)")
+    parser.add_argument("--port", type=int, default=29571)
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the run's environment")
     args, overrides = parser.parse_known_args()
     overrides = [o for o in overrides if o != "--"]
     output_dir = Path(tempfile.mkdtemp(prefix=f"mission_{args.name}_"))
-    cmd = [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", args.config,
-           "--trainer.steps", str(args.steps), "--job.output_dir", str(output_dir), *overrides]
+    grpo = ["-m", "torchtitan_rl.simple_grpo"]
+    if args.cap_gib:
+        grpo = [str(REPO / "scripts" / "gpu" / "capped.py"), "--gib", str(args.cap_gib), *grpo]
+    launch = ["-m", "torchtitan_rl.launch", "--nproc-per-node", str(args.launch), "--master-port", str(args.port)] \
+        if args.launch else []
+    cmd = [sys.executable, *launch, *grpo, "--config", args.config, "--trainer.steps", str(args.steps),
+           "--job.output_dir", str(output_dir), *overrides]
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env)}
     print("[mission_step]", " ".join(cmd), flush=True)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO)
-    wall = time.perf_counter() - t
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines, ended = timed_lines(proc)
+    wall = ended - t
     metrics = output_dir / "latest" / "metrics.jsonl"
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r] if metrics.is_file() else []
     kept = [r for r in records if r["step"] >= args.skip]
+    keys = KEYS + tuple(k for k in OTHER if records and k in records[0])
+    # Step 0 ends when its metrics line is written; the bar's "1/N" line arrives then.
+    first_done = next((at for at, line in lines if f" 1/{args.steps} " in line), None)
     summary = {
-        "name": args.name, "command": cmd[1:], "exit": proc.returncode, "wall_s": wall, "steps": len(records),
-        "median": {k: statistics.median(r[k] for r in kept) for k in KEYS} if kept else {},
-        "per_step": {k: [round(r[k], 4) for r in records] for k in KEYS},
+        "name": args.name, "command": cmd[1:], "env": args.env, "exit": proc.returncode, "wall_s": wall,
+        "steps": len(records),
+        "start_s": first_done - t - records[0]["step_s"] if first_done is not None and records else None,
+        "exit_lag_s": ended - lines[-1][0] if lines else None, "last_line": lines[-1][1][-300:] if lines else None,
+        "median": {k: statistics.median(r[k] for r in kept) for k in keys} if kept else {},
+        "per_step": {k: [round(r[k], 4) for r in records] for k in keys},
     }
     out = Path(args.out)
     (out / f"mission_{args.name}.json").write_text(json.dumps(summary, indent=1))
     if metrics.is_file():
         shutil.copyfile(metrics, out / f"mission_{args.name}_metrics.jsonl")
-    print(json.dumps({k: summary[k] for k in ("name", "exit", "wall_s", "steps", "median")}, indent=1), flush=True)
+    print(json.dumps({k: summary[k] for k in ("name", "exit", "wall_s", "start_s", "exit_lag_s", "steps", "median")},
+                     indent=1), flush=True)
     if proc.returncode:
         raise SystemExit(proc.returncode)
 

@@ -51,7 +51,7 @@ launch() {
       --trainer.checkpoint.enable false ${LAYOUT_ARGS:-} > "$work/$name.log" 2>&1 &
   else
     port=$((port + 1))
-    CUDA_VISIBLE_DEVICES=$gpus timeout "${LAYOUT_TIMEOUT_S:-300}" python3 -m torch.distributed.run \
+    CUDA_VISIBLE_DEVICES=$gpus timeout "${LAYOUT_TIMEOUT_S:-300}" python3 -m torchtitan_rl.launch \
       --nproc-per-node "$ngpus" --master-port "$port" -m torchtitan_rl.simple_grpo \
       --config "${LAYOUT_CONFIG:-run_configs/qwen3_0.6b.toml}" --trainer.steps "$STEPS" --job.output_dir "$work/$name" \
       --trainer.checkpoint.enable false --weight_sync.peer_timeout_s 200 "${args[@]}" ${LAYOUT_ARGS:-} \

@@ -20,7 +20,7 @@ for dt in (torch.float32, torch.bfloat16):
     assert n[0].isnan() and n[1].isnan() | n[1].isinf() and n[2].isfinite(), (dt, n)
 print("inf-norm NaN/inf check: ok")' || exit 1
 start=$(date +%s)
-timeout ${NCCL_TIMEOUT_S:-330} python3 -m torch.distributed.run --nproc-per-node 2 --master-port 29555 \
+timeout ${NCCL_TIMEOUT_S:-330} python3 -m torchtitan_rl.launch --nproc-per-node 2 --master-port 29555 \
   scripts/bench_nccl_sync.py --flavors ${NCCL_FLAVORS:-0.6B 1.7B} --json "$OUT/nccl_sync.json" ${NCCL_ARGS:-} \
   > "$OUT/nccl_full.log" 2>&1
 rc=$?

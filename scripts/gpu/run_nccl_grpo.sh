@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 start=$(date +%s)
 # peer_timeout_s 300: a rank that waits that long for the other side (engine start included) gives up
 # with an error well inside the call's limit instead of hanging until it.
-timeout ${NCCL_GRPO_TIMEOUT_S:-540} python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-port 29556 \
+timeout ${NCCL_GRPO_TIMEOUT_S:-540} python3 -m torchtitan_rl.launch --nproc-per-node "$NPROC" --master-port 29556 \
   -m torchtitan_rl.simple_grpo --config run_configs/qwen3_0.6b.toml --weight_sync.transport nccl \
   --trainer.steps "$STEPS" --job.output_dir "$work" --trainer.checkpoint.enable false \
   --generator.gpu_memory_utilization "${GEN_MEM:-0.8}" --weight_sync.peer_timeout_s 300 \

@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 rc_all=0
 for R in ${REPLICAS:-1 2 3}; do
   start=$(date +%s)
-  timeout "${REPLICA_TIMEOUT_S:-240}" python3 -m torch.distributed.run --nproc-per-node $((R + 1)) --master-port $((29600 + R)) \
+  timeout "${REPLICA_TIMEOUT_S:-240}" python3 -m torchtitan_rl.launch --nproc-per-node $((R + 1)) --master-port $((29600 + R)) \
     scripts/bench_replica_sync.py --flavors ${FLAVORS:-0.6B 1.7B 4B} --repeats "${REPEATS:-5}" \
     --json "$OUT/replicas.json" > "$OUT/replicas_R$R.log" 2>&1
   rc=$?

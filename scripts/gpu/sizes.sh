@@ -14,7 +14,9 @@
 # gets what is left, and none under 90 s),
 # SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85).
 # SIZES_CONFIG (run_configs/qwen3_0.6b.toml). SIZES_GPUS ("0,1": the GPUs a row uses; layout a the first) and
-# SIZES_PORT (29561) let two of these share a machine of four GPUs.
+# SIZES_PORT (29561) let two of these share a machine of four GPUs. SIZES_CAP_GIB (e.g. 79.2) runs each process as on
+# a GPU of that size (scripts/gpu/capped.py: an 80 GB row on an H200). SIZES_TAG names the rows of the call (e.g.
+# auto, hand) in sizes.jsonl. Multi-GPU rows run under python -m torchtitan_rl.launch: one line when a rank fails.
 # After the stash call of docs/gpu.md, each call under 10 minutes:
 #   run(kind="nvidia-h100-x2", carry=[".gpu/b"], command="source .gpu/b/install.sh && SIZES_ROWS='4B:a:weights 4B:b:weights' bash scripts/gpu/sizes.sh")
 # Writes $OUT/sizes.jsonl (one JSON line per row, appended), $OUT/sizes_<row>.log (the tail of a failed row's log)
@@ -34,12 +36,14 @@ for row in $ROWS; do
   IFS=: read -r flavor layout sleep <<< "$row"
   name=${row//:/_}
   args=(--generator.sleep "$sleep")
+  grpo=(-m torchtitan_rl.simple_grpo)
+  [ -n "${SIZES_CAP_GIB:-}" ] && grpo=(scripts/gpu/capped.py --gib "$SIZES_CAP_GIB" "${grpo[@]}")
   trainer_gpus=1; used=$gpus
   case $layout in
     a) launch=(env CUDA_VISIBLE_DEVICES="${gpus%%,*}" python3); used=${gpus%%,*} ;;
-    b) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torch.distributed.run --nproc-per-node 2 --master-port "$port")
+    b) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torchtitan_rl.launch --nproc-per-node 2 --master-port "$port")
        args+=(--generator.colocated_ranks all); trainer_gpus=2 ;;
-    c) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torch.distributed.run --nproc-per-node 2 --master-port "$port")
+    c) launch=(env CUDA_VISIBLE_DEVICES="$gpus" python3 -m torchtitan_rl.launch --nproc-per-node 2 --master-port "$port")
        args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization "${SIZES_GPU_UTIL_C:-0.85}") ;;
     *) echo "unknown layout $layout in $row"; exit 2 ;;
   esac
@@ -51,7 +55,7 @@ for row in $ROWS; do
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$work/$name.mem" &
   smi=$!
   start=$(date +%s)
-  timeout "$left" "${launch[@]}" -m torchtitan_rl.simple_grpo --config "${SIZES_CONFIG:-run_configs/qwen3_0.6b.toml}" \
+  timeout "$left" "${launch[@]}" "${grpo[@]}" --config "${SIZES_CONFIG:-run_configs/qwen3_0.6b.toml}" \
     --model.flavor "$flavor" --trainer.steps "$STEPS" --trainer.checkpoint.enable false \
     --job.output_dir "$work/$name" --weight_sync.peer_timeout_s 300 "${args[@]}" "${extra[@]}" > "$work/$name.log" 2>&1
   rc=$?
@@ -61,6 +65,7 @@ for row in $ROWS; do
   [ $rc = 0 ] || tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | tail -n 120 > "$OUT/sizes_$name.log"
   python3 scripts/gpu/sizes_row.py --output-dir "$work/$name" --log "$work/$name.log" --mem "$work/$name.mem" \
     --row "$row" --exit-code "$rc" --first 2 --last $(( STEPS - 1 )) --trainer-gpus "$trainer_gpus" --gpus "$used" \
-    --args "${args[*]} ${extra[*]} gpu=$gpu wall_s=$(( $(date +%s) - start ))" >> "$OUT/sizes.jsonl"
+    --tag "${SIZES_TAG:-}" --args "${args[*]} ${extra[*]} gpu=$gpu${SIZES_CAP_GIB:+ capped=${SIZES_CAP_GIB}GiB} \
+wall_s=$(( $(date +%s) - start ))" >> "$OUT/sizes.jsonl"
   tail -n 1 "$OUT/sizes.jsonl"
 done

@@ -17,21 +17,23 @@ from pathlib import Path
 
 from summarize_run import metrics_file, peak_memory_mib, step_records  # scripts/gpu/, beside this file
 
-KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s")
+KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s", "build_s", "recompute_s")
 
 
-def log_lines(log: Path) -> tuple[str | None, str | None]:
-    """(the memory estimate line, the line that ended the run: torchtitan_rl's one-line error or a traceback's last)."""
+def log_lines(log: Path) -> tuple[str | None, str | None, str | None]:
+    """(the memory estimate line, job.fit auto's line, the line that ended the run: torchtitan_rl's one-line error or
+    a traceback's last)."""
     if not log.exists():
-        return None, None
+        return None, None, None
     lines = [line.strip() for line in log.read_text(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
     estimate = next((line for line in lines if line.startswith("torchtitan_rl: memory per")), None)
+    fit = next((line for line in lines if line.startswith("torchtitan_rl: job.fit auto:")), None)
     # Ours first (one process: "torchtitan_rl: error: ..."; torchrun: "... error: rank R: ..." or "... rank R
     # failed: ..."), then a traceback's last line; torchrun's own ChildFailedError report says less.
     ours = [line for line in lines if line.startswith(("torchtitan_rl: error:", "torchtitan_rl: rank "))]
     others = [line for line in lines if "Error:" in line.split(" ")[0] and "ChildFailedError" not in line]
     errors = ours or others
-    return estimate, errors[-1] if errors else None
+    return estimate, fit, errors[-1] if errors else None
 
 
 def matmul_params(flavor: str, vocab_size: int = 0) -> int:
@@ -46,14 +48,16 @@ def matmul_params(flavor: str, vocab_size: int = 0) -> int:
 
 def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: int, first: int, last: int,
               trainer_gpus: int, peak_tflops: float, args: str = "", prompt_tokens: float | None = None,
-              vocab_size: int = 0, gpus: list[int] = (0, 1)) -> dict:
+              vocab_size: int = 0, gpus: list[int] = (0, 1), tag: str = "") -> dict:
     flavor, layout, sleep = row.split(":")
     records = step_records(metrics_file(output_dir))
     kept = [r for r in records if first <= r["step"] <= last] or records
-    estimate, error = log_lines(log)
+    estimate, fit, error = log_lines(log)
     out = {
-        "row": row, "flavor": flavor, "layout": layout, "sleep": sleep, "args": args, "exit_code": exit_code,
+        "row": row, "tag": tag, "flavor": flavor, "layout": layout, "sleep": sleep, "args": args,
+        "exit_code": exit_code,
         "fits": exit_code == 0 and bool(records), "refusal": error if exit_code else None, "estimate": estimate,
+        "fit": fit,
         "steps_logged": len(records), "median_steps": [first, last],
         "peak_gpu_mem_mib": peak_memory_mib(mem, gpus),
         "median": {k: statistics.median(r[k] for r in kept) for k in KEYS if kept and k in kept[0]},
@@ -88,11 +92,12 @@ def main() -> None:
     p.add_argument("--args", default="")
     p.add_argument("--gpus", default="0,1", help="the GPU indices the run used (their peaks only)")
     p.add_argument("--vocab-size", type=int, default=0, help="for flavors without one (tiny: the task's)")
+    p.add_argument("--tag", default="", help="names the row among rows of one FLAVOR:LAYOUT:SLEEP (e.g. auto, hand)")
     a = p.parse_args()
     print(json.dumps(summarize(output_dir=a.output_dir, log=a.log, mem=a.mem, row=a.row, exit_code=a.exit_code,
                                first=a.first, last=a.last, trainer_gpus=a.trainer_gpus, peak_tflops=a.peak_tflops,
                                args=a.args, prompt_tokens=a.prompt_tokens, vocab_size=a.vocab_size,
-                               gpus=[int(g) for g in a.gpus.split(",")])))
+                               gpus=[int(g) for g in a.gpus.split(",")], tag=a.tag)))
 
 
 if __name__ == "__main__":

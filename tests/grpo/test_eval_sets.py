@@ -44,10 +44,14 @@ instruction = "Answer with a number."
 name = "other"
 path = "{WORD_PROBLEMS}"
 mean_at_k = 4
+numeric_answer = "expression"
 """))
     assert [s.name for s in cfg.eval.sets] == ["words", "other"]
     assert cfg.eval.sets[0].instruction == "Answer with a number." and cfg.eval.sets[1].instruction is None
+    assert [s.numeric_answer for s in cfg.eval.sets] == ["number", "expression"]
     assert from_dict(tomllib.loads(to_toml(cfg))) == cfg
+    with pytest.raises(ValueError, match=r"^eval.sets\[0\].numeric_answer: expected one of 'number', 'expression'"):
+        from_dict({"eval": {"sets": [{"name": "w", "path": str(WORD_PROBLEMS), "numeric_answer": "literal"}]}})
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -112,6 +116,19 @@ def test_a_set_renders_in_the_chat_template_with_its_own_instruction_and_verifie
     assert not words.correct(p, ids("\\boxed{140}"))
     exact = _set(tokenizer, WORD_PROBLEMS, num_prompts=1, verifier="exact")
     assert exact.correct(p, ids(" 112 ")) and not exact.correct(p, ids("\\boxed{112}"))
+
+
+def test_a_sets_numeric_answer_decides_whether_an_unevaluated_expression_counts(tokenizer):
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    unevaluated = ids("4 boxes of 35 is 4 * 35, minus 28: 4 * 35 - 28 = 4 * 35 - 28")  # 112, never computed
+    number = _set(tokenizer, WORD_PROBLEMS, num_prompts=1)  # the default, as training's
+    expression = _set(tokenizer, WORD_PROBLEMS, num_prompts=1, numeric_answer="expression")
+    p = number.prompts[0]
+    assert p.target == "112" and not number.correct(p, unevaluated) and number.reward(p, unevaluated) == 0.0
+    assert expression.correct(p, unevaluated) and expression.reward(p, unevaluated) == 1.0
+    assert number.correct(p, ids("4 * 35 - 28 = 112")) and expression.correct(p, ids("4 * 35 - 28 = 112"))
 
 
 def test_parquet_and_datasets_folders_read_as_jsonl(tokenizer, tmp_path):

@@ -74,11 +74,19 @@ def test_dynamic_sampling_stops_after_the_bound_and_tops_up_with_dropped_groups(
 def test_rollout_metrics_report_lengths_the_cut_share_and_rewards_per_level():
     groups = _groups([[1, 0], [1, 1], [0, 0]], lengths=[[2, 8], [4, 4], [8, 6]], levels=[1, 2, 1])
     m = rollout_metrics(groups)
+    assert m["correct_frac"] == 3 / 6
     assert m["response_length_mean"] == 32 / 6 and m["response_length_max"] == 8
     assert m["truncated_frac"] == 2 / 6
     assert m["reward_mean/level_1"] == 0.25 and m["reward_std/level_1"] == pytest.approx(0.1875**0.5)
     assert m["reward_mean/level_2"] == 1.0 and m["reward_std/level_2"] == 0.0
     assert m["response_length_p90"] == 8.0  # sorted 2 4 4 6 8 8: position 0.9 * 5 = 4.5 lies between two 8s
+
+
+def test_rollout_metrics_tell_right_answers_from_a_format_bonus():
+    # A format bonus of 0.1 on every answer, one right: the reward rises with the bonus, correct_frac does not.
+    groups = _groups([[1.1, 0.1], [0.1, 0.1]], correct=[[True, False], [False, False]])
+    m = rollout_metrics(groups)
+    assert m["correct_frac"] == 0.25 and groups.task_rewards_B.mean().item() == pytest.approx(0.35)
 
 
 def _score_on_rank(rank: int, port: int, out) -> None:

@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.helpers import assert_one_line_error, run_cli
@@ -25,6 +26,7 @@ from tests.helpers import BF16_MISMATCH_MEAN, free_port
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml, validate
 from torchtitan_rl.serving.own_rank import Mailbox, _receive
+from torchtitan_rl.weight_sync.store import store_value
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
@@ -266,6 +268,22 @@ def test_waits_for_a_dead_peer_end_with_a_clear_error():
     _receive(_NoSync(), mailbox, timeout_s=30.0)
     assert mailbox.get("msg", "request") == {"op": "stop"}
     assert not store.check(["torchtitan_rl/generator/0/msg/0"])  # read messages are deleted
+
+
+def test_a_message_over_the_stores_limit_goes_in_parts():
+    # The libuv TCPStore drops a client that sets a value over 8 MiB (a step's rollouts at 8k-token samples are
+    # ~100 MB): the reply arrives whole through a client connection, peeked and read, and leaves no key behind.
+    server = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timedelta(seconds=30))
+    client = dist.TCPStore("127.0.0.1", server.port, world_size=1, is_master=False, timeout=timedelta(seconds=30))
+    generator, trainer = Mailbox(client, timeout_s=5, peer="trainer"), Mailbox(server, timeout_s=5, peer="generator")
+    reply = {"completion_ids": list(range(2_500_000)), "logprobs": torch.arange(2_500_000, dtype=torch.float32)}
+    generator.put("reply", reply)
+    generator.put("reply", {"small": 1})
+    assert store_value(trainer.store, "reply/0", 30) is not None  # a client's sets are not acknowledged: wait
+    for got in (trainer.peek("reply"), trainer.get("reply", "reply")):
+        assert got["completion_ids"] == reply["completion_ids"] and torch.equal(got["logprobs"], reply["logprobs"])
+    assert trainer.get("reply", "reply") == {"small": 1}
+    assert server.num_keys() == 1  # the store's own counter key only: every part was deleted with its message
 
 
 @pytest.mark.slow

@@ -47,4 +47,4 @@ def test_a_refused_run_gives_its_one_line(tmp_path):
     assert proc.returncode == 2
     got = _row(tmp_path, out_dir, proc.stdout + proc.stderr, 2, "8B:a:off")
     assert not got["fits"] and got["steps_logged"] == 0 and got["median"] == {}
-    assert got["refusal"].startswith("torchtitan_rl: error: memory: this run needs at least 138.")
+    assert got["refusal"].startswith("torchtitan_rl: error: memory: this run needs at least 183.")

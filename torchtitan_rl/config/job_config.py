@@ -33,6 +33,13 @@ class JobSection:
     """After the last step, write the policy as a Hugging Face folder to <run folder>/hf (torchtitan_rl/export.py)."""
     export_dir: str | None = None
     """After the last step, write the policy here as a Hugging Face folder (torchtitan_rl/export.py); must not exist or be empty."""
+    fit: Literal["auto", "off"] = "auto"
+    """auto: on a GPU, when the memory estimate (printed at start) exceeds 95% of the device, change, in this order, generator.sleep (weights), trainer.master_dtype (bfloat16), trainer.micro_batch_tokens and recompute_micro_batch_tokens (halved) and trainer.cpu_offload until it fits, and say so in one line (run/fit.py); a run that fits as written is unchanged. off: run the config as written (a run that cannot fit is still refused)."""
+    host_threads: int = 0
+    """CPU threads of each process (torch intra-op, OpenMP, vLLM's, inductor's compile workers): 0: the cores this process may use divided by the processes sharing them (torchrun's local ranks, or on a GPU the host's GPUs), or OMP_NUM_THREADS when set; N: N; -1: leave torch's and vLLM's own defaults."""
+
+    def check(self, path: str) -> None:
+        at_least(self, path, -1, "host_threads")
 
 
 @dataclass(kw_only=True)
@@ -244,6 +251,8 @@ class GeneratorConfig:
     """Run eagerly; false lets vLLM capture CUDA graphs on GPU."""
     compile: bool = False
     """vLLM torch.compiles the generator's model (its VLLM_COMPILE mode: inductor fuses RMSNorm, QK-norm, RoPE, SiLU-mul; piecewise CUDA graphs for prefills, full ones for decodes); needs enforce_eager false; ignored in batch_invariant_mode and with unmerged LoRA adapters. The sync still writes the tensors the compiled graphs read."""
+    compile_cache_dir: str = "~/.cache/torchtitan_rl"
+    """With generator.compile: where the compiled decoder is kept for the next run (vLLM's compile cache, VLLM_CACHE_ROOT unless set, under vllm/; the engine's model config.json at a path per model shape under models/, which vLLM's cache key includes); empty: vLLM's default cache and a config.json in the run folder, so each run compiles again."""
     async_scheduling: bool = True
     """vLLM schedules iteration i+1 while the device runs iteration i (vLLM 0.26's own default for this engine on GPU; vLLM's CPU backend turns it off, we keep it on when asked so CPU runs take the same path). Samples are the same with it on or off (seeded); every generate ends with no iteration in flight."""
     load_format: Literal["dummy", "auto"] = "dummy"
@@ -386,6 +395,12 @@ class TaskConfig:
     """Appended to every question on a new line: the answer format the reward reads best."""
     format_reward_weight: float = 0.0
     """Reward added for a \\boxed{...} answer, right or wrong; 0 scores correctness only."""
+    numeric_answer: Literal["number", "expression"] = "number"
+    """math, calculator, dataset: what an answer to a numeric reference must be. number: a number as written (119,
+    1,080, 119.0, 50%, \\frac{1}{2}), so '38 + 81 = 38 + 81' scores 0 for 119: on a task whose answer is a
+    number, math-verify's symbolic equality would reward a policy that writes the sum and stops computing.
+    expression: that symbolic equality (any expression equal to the reference). Non-numeric references
+    (x^2 + 1) are compared symbolically either way."""
     levels: tuple[int, ...] = (1, 2, 3, 4, 5)
     """math: levels drawn uniformly, repeats weigh more (1: one + or -; 2: one * or /; 3, 4: two steps; 5: three)."""
     heldout_size: int = 500
@@ -429,6 +444,9 @@ class EvalSetConfig:
     """Field holding the reference answer; GSM8K's '... #### 42' gives 42."""
     verifier: Literal["math_verify", "exact"] = "math_verify"
     """math_verify: the final answer equals the reference symbolically (training's reward); exact: the completion, stripped, equals the answer."""
+    numeric_answer: Literal["number", "expression"] = "number"
+    """math_verify: what an answer to a numeric reference must be, as task.numeric_answer (number: a number as written,
+    so '38 + 81' does not count for 119; expression: any expression equal to it). Default number, as training's."""
     system_prompt: str | None = None
     """System message of the set's prompts; none takes the run's task.system_prompt (the run's chat template either way)."""
     instruction: str | None = None

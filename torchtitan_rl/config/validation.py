@@ -14,7 +14,7 @@ from typing import Any
 from torchtitan_rl.config.checks import Problems, check_finite, get, leaf_types, positive
 from torchtitan_rl.config.job_config import REDACTED, SECRETS, EvalSetConfig, HarnessLengthsConfig, JobConfig
 
-_SECTIONS = ("trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
+_SECTIONS = ("job", "trainer", "grpo", "metrics", "generator", "model", "task", "eval", "weight_sync")
 
 
 def validate(cfg: JobConfig, *, world_size: int = 1, device: str | None = None) -> None:

@@ -5,8 +5,9 @@ write the model's tensors directly). It starts from dummy weights, poisons
 them with NaN, and refuses to generate until the first sync arrives; every
 batch of rollouts records the weight version it was sampled with.
 
-Long: one generate is one loop over vLLM's engine steps, and what partial rollouts, in-flight updates and
-streaming add (where a sample stops, which version each token has, which group is done) happens inside it.
+Long: one class is the engine's whole life (build, the gate, generate with partial samples and its trace,
+sleep, the hooks a sync writes through); what stands apart already lives beside it (rollouts, trace, lengths,
+compile_cache).
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.moe import RouteLog
 from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts
 from torchtitan_rl.engine.trace import TraceRecorder
+from torchtitan_rl.engine.compile_cache import cached_model_folder
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
 
@@ -172,8 +174,11 @@ class Engine:
         self.weights_discarded = False
         """A level-2 sleep dropped the weights: nothing is served until a sync rewrote and verified every tensor."""
 
+        compiled = config.compile and not batch_invariant and _unmerged_lora(model_config.lora) is None
         if config.load_format == "auto":
             model_dir = model_config.hf_checkpoint
+        elif compiled and config.compile_cache_dir and tokenizer_dir is None:
+            model_dir = cached_model_folder(config.compile_cache_dir, shape)
         else:
             model_dir = Path(workdir) / "generator_model"
             model_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +190,7 @@ class Engine:
                 "architectures": [TITAN_ARCH],
                 BATCH_INVARIANT_KEY: batch_invariant,
                 LORA_KEY: _unmerged_lora(model_config.lora),
-                COMPILE_KEY: config.compile and not batch_invariant and _unmerged_lora(model_config.lora) is None,
+                COMPILE_KEY: compiled,
             },
             dtype=model_config.dtype,
             max_model_len=config.max_model_len,

@@ -5,6 +5,7 @@ The loop's steps 3-5 (score, advantages, recompute); every rank calls
 """
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -60,6 +61,8 @@ class StepBatch:
     routing: dict[str, float]
     """MoE: how often the recompute routed tokens elsewhere than the generator (grpo/batch.py's
     routing_mismatch, over all ranks' tokens); {} for a dense model or without the generator's choices."""
+    recompute_s: float
+    """Seconds of the trainer's (and the reference's) logprob recompute in ``build``."""
 
 
 class BatchBuilder:
@@ -114,7 +117,8 @@ class BatchBuilder:
         per_rank = P * G // trainer.dp_size
         rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
-        ref_lp_BL, replay_BLNK, routing = None, None, {}
+        started = time.perf_counter()
+        ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = None
         if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch); dense only
             trainer_lp_BL, ref_lp_BL = self._by_group(batch, rows, mask_BL)
         else:
@@ -123,9 +127,10 @@ class BatchBuilder:
             trainer_lp_BL, routes_BLNK = trainer.token_logprobs_and_routes(
                 tokens_BL, temperature=temperature, mask_BL=mask_BL, replay_BLNK=replay_BLNK)
             trainer_lp_BL = trainer_lp_BL.cpu()
-            if routes_BLNK is not None and gen_routes_BLNK is not None:  # the trainer's choices vs the generator's
-                routing = self._reduce_counts(routing_mismatch(routes_BLNK, gen_routes_BLNK),
-                                              count="routing_tokens")
+        recompute_s = time.perf_counter() - started
+        routing = {}
+        if routes_BLNK is not None and gen_routes_BLNK is not None:  # the trainer's choices vs the generator's
+            routing = self._reduce_counts(routing_mismatch(routes_BLNK, gen_routes_BLNK), count="routing_tokens")
         mismatch = self._reduce(logprob_mismatch(trainer_lp_BL, gen_lp_BL, mask_BL), mask_BL)
         sampling = cfg.generator.sampling
         if sampling.top_p < 1 or sampling.top_k != -1:  # the generator's logprobs are the truncated distribution's
@@ -143,13 +148,15 @@ class BatchBuilder:
         )
         is_stats = self._reduce(is_stats, mask_BL)
         if self.reference is not None and not cfg.generator.stream_groups:  # the frozen initial policy of the KL term
+            started = time.perf_counter()
             ref_lp_BL = self.reference.token_logprobs(tokens_BL, temperature=temperature, mask_BL=mask_BL).cpu()
+            recompute_s += time.perf_counter() - started
         return StepBatch(
             drawn=drawn,
             train=TrainBatch(tokens_BL, mask_BL, trainer_lp_BL, advantages_B[rows], ref_lp_BL, is_weights_BL,
                              replay_routes_BLNK=replay_BLNK),
             rollout_stats=rollout_stats, sampling_stats=sampling_stats, mismatch=mismatch, importance=is_stats,
-            routing=routing,
+            routing=routing, recompute_s=recompute_s,
         )
 
     def _reduce_counts(self, local: dict[str, float], *, count: str) -> dict[str, float]:

@@ -4,7 +4,8 @@ A set is read once (JSONL, Parquet, or a folder datasets' save_to_disk wrote),
 rendered in the run's chat template with the run's system prompt and
 instruction unless the set names its own (tasks/chat.py's ``chat_prompt``:
 the very function training's prompts come from), and scored by math-verify
-(training's correctness reward, grpo/rewards.py) or by exact match. It offers
+(training's correctness reward, grpo/rewards.py, with the set's own
+``numeric_answer``) or by exact match. It offers
 the evaluator the part of the Task interface it reads (``rollouts``,
 ``correct``, ``reward``, ``completion_text``), so the loop's evaluation and
 the standalone evaluator (torchtitan_rl/evaluate.py) score a set alike.
@@ -18,16 +19,14 @@ from torchtitan_rl.grpo.tasks.chat import chat_prompt, load_chat_tokenizer
 from torchtitan_rl.grpo.tasks.dataset import read_records
 
 
-def _math_verify(text: str, answer: str) -> bool:
-    return rewards.correct(text, answer) == 1.0
+def _exact(text: str, answer: str) -> float:
+    return float(text.strip() == answer)
 
 
-def _exact(text: str, answer: str) -> bool:
-    return text.strip() == answer
-
-
-VERIFIERS = {"math_verify": _math_verify, "exact": _exact}
-"""eval.sets[i].verifier -> (completion text, reference answer) -> solved."""
+def verifier(config: EvalSetConfig) -> rewards.RewardFn:
+    """eval.sets[i].verifier (and numeric_answer, for math_verify) -> (completion text, reference answer) -> 1.0
+    solved, 0.0 not."""
+    return _exact if config.verifier == "exact" else rewards.CORRECT[config.numeric_answer]
 
 
 class EvalSet:
@@ -44,7 +43,7 @@ class EvalSet:
             records = records[: config.num_prompts]
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
-        self.verify = VERIFIERS[config.verifier]
+        self.verify = verifier(config)
         system = config.system_prompt if config.system_prompt is not None else system_prompt
         instruction = config.instruction if config.instruction is not None else instruction
         self.prompts = [chat_prompt(tokenizer, q, a, system_prompt=system, instruction=instruction) for q, a in records]
@@ -66,7 +65,7 @@ class EvalSet:
         return self.tokenizer.decode(completion_ids, skip_special_tokens=True)
 
     def correct(self, prompt: Prompt, completion_ids: list[int]) -> bool:
-        return self.verify(self.completion_text(completion_ids), prompt.target)
+        return self.verify(self.completion_text(completion_ids), prompt.target) == 1.0
 
     def reward(self, prompt: Prompt, completion_ids: list[int]) -> float:
         return float(self.correct(prompt, completion_ids))

@@ -194,11 +194,13 @@ def fill_with_signal(first: Groups, draw: Callable[[int, int], Groups], *, want:
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:
     """What a researcher reads beside the mean reward: its spread (overall and per task level, where
-    prompts have one), response lengths and the share cut at the length limit."""
+    prompts have one), the share of right answers (the held-out evaluation's verdict: a reward with a format
+    bonus can rise while it does not), response lengths and the share cut at the length limit."""
     lengths_B = torch.tensor([len(c) for c in groups.completion_ids], dtype=torch.float64)
     rewards_B = groups.task_rewards_B.double()
     metrics = {
         "reward_std": rewards_B.std(unbiased=False).item(),
+        "correct_frac": groups.correct_B.double().mean().item(),
         "response_length_mean": lengths_B.mean().item(),
         "response_length_max": lengths_B.max().item(),
         "response_length_p90": torch.quantile(lengths_B, 0.9).item(),

@@ -1,9 +1,11 @@
 """What a run will hold in device memory, said before it starts; a run that cannot fit refused in one line.
 
-The estimate counts what is certain (the trainer's parameters, gradients and AdamW state per rank, by dtype,
-FSDP degree and offload; the engine's weights and the KV-cache budget vLLM takes) and leaves out what depends
-on the batch (activations, logits chunks): a refusal from it is never a false alarm, and a run it admits may
-still meet CUDA's refusal in the first step, which ``one_line_oom`` turns into the same one line.
+The estimate counts the trainer's parameters, gradients and AdamW state per rank (by dtype, FSDP degree and
+offload), the activations of its largest micro-batch (forward + backward, and the logprob recompute's no-grad
+forward) from the trainer's settings, and the engine: its weights and KV-cache budget while it generates, its
+CUDA graphs while it sleeps. The activation terms are upper bounds of torchtitan's eager decoder measured on CPU
+(tests/trainer/test_memory_estimate.py); a run it admits may still meet CUDA's refusal (fragmentation, kernels'
+workspaces), which ``one_line_oom`` turns into the same one line. run/fit.py changes a config until it fits.
 """
 
 import contextlib
@@ -18,16 +20,30 @@ from torchtitan_rl.models.shape import ModelShape, titan_config
 
 GIB = 1 << 30
 
-LEVERS = ("generator.gpu_memory_utilization (lower), generator.sleep 'weights', trainer.cpu_offload true or "
-          "trainer.master_dtype bfloat16, trainer.micro_batch_size / micro_batch_tokens (lower), or more GPUs "
-          "(layout b: torchrun on each; c: weight_sync.transport nccl)")
+LEVERS = ("job.fit auto, generator.gpu_memory_utilization (lower), generator.sleep 'weights', trainer.cpu_offload "
+          "true or trainer.master_dtype bfloat16, trainer.micro_batch_tokens / recompute_micro_batch_tokens (lower), "
+          "trainer.activation_checkpoint full, or more GPUs (layout b: torchrun on each; c: weight_sync.transport "
+          "nccl)")
 """The fields that make room on a GPU, named by every refusal there."""
 
 CPU_LEVERS = ("trainer.master_dtype bfloat16, generator.kv_cache_memory_gb (lower), trainer.micro_batch_size / "
-              "micro_batch_tokens (lower), or a smaller model.flavor")
+              "micro_batch_tokens / recompute_micro_batch_tokens (lower), trainer.activation_checkpoint full, or a "
+              "smaller model.flavor")
 """The same on CPU (no sleep mode, nothing to offload to)."""
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+BACKWARD_PEAK = 1.2
+"""A block's backward (recomputed under activation checkpointing) holds its saved activations and the gradients
+of its intermediates at once: up to this many times its saved bytes per token (1.1 measured on CPU for torchtitan's
+debugmodel: tests/trainer/test_memory_estimate.py)."""
+LOGITS_BYTES = {False: 24, True: 8}
+"""Bytes per logit of one logprob chunk at its backward's peak (trainer/logprobs.py): eager keeps bf16 logits, their
+float32 copies, softmax and its gradient at once (an upper bound on CPU); torch.compile (trainer.compile, on GPUs)
+fuses them into a few passes over the bf16 logits (8: not measured, checked by the GPU rows' peaks)."""
+GRAPH_BYTES = 4 << 20
+"""What one captured CUDA graph of the engine keeps besides the shared pool (vLLM 0.26; calibrated by
+scripts/gpu/one_gpu.sh's rows)."""
 
 
 def count_parameters(shape: ModelShape, lora=None) -> tuple[int, int, int]:
@@ -39,6 +55,95 @@ def count_parameters(shape: ModelShape, lora=None) -> tuple[int, int, int]:
     params = list(model.parameters())  # a tied embedding is one Parameter, counted once
     block = max(sum(p.numel() for p in b.parameters()) for b in model.layers.values())
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad), block
+
+
+def block_saved_bytes(shape: ModelShape, compute: int) -> int:
+    """Bytes per token one decoder block's forward saves for its backward (torchtitan's eager Qwen3/Llama block;
+    ``compute`` bytes per element of model.dtype): the norms' float32 inputs, q/k in float32 for RoPE, q, k, v
+    and the attention output, the feed-forward's four intermediates."""
+    q = shape.num_attention_heads * shape.head_dim
+    k = shape.num_key_value_heads * shape.head_dim
+    return ((16 + 2 * compute) * shape.hidden_size + (8 + 2 * compute) * (q + k) + 4 * compute
+            * shape.intermediate_size + 16 * shape.head_dim + 4 * shape.num_attention_heads + 64)
+
+
+def block_forward_bytes(shape: ModelShape, compute: int) -> int:
+    """Bytes per token of a block's no-grad forward at its peak (the logprob recompute): its attention half (q, k,
+    v, RoPE's float32 copies, the output) or its feed-forward half (three intermediates at once), whichever is
+    larger, plus the residual stream."""
+    q = shape.num_attention_heads * shape.head_dim
+    k = shape.num_key_value_heads * shape.head_dim
+    attention = (8 + 2 * compute) * (q + k) + 2 * compute * q
+    feed_forward = 3 * compute * shape.intermediate_size
+    return max(attention, feed_forward) + 4 * compute * shape.hidden_size
+
+
+def micro_batch_tokens(cfg: JobConfig, *, rows: int, recompute: bool = False) -> int:
+    """Most tokens one micro-batch can hold (trainer/micro_batches.py's plan): rows of up to generator.max_model_len
+    tokens, at most trainer.micro_batch_size of them and the token budget (one row alone may exceed it)."""
+    t = cfg.trainer
+    budget = (t.recompute_micro_batch_tokens or t.micro_batch_tokens) if recompute else t.micro_batch_tokens
+    longest = cfg.generator.max_model_len
+    most = min(t.micro_batch_size, rows) * longest
+    return min(most, max(budget, longest)) if budget else most
+
+
+def activation_bytes(cfg: JobConfig, shape: ModelShape, *, rows: int, recompute: bool, grads: int = 0) -> int:
+    """Peak bytes beyond the trainer's weights and AdamW state of the largest micro-batch of ``rows`` rows: the
+    train step's forward + backward, or (``recompute``) the logprob recompute's no-grad forward.
+
+    The train step peaks either as a backward starts (every block's saved activations, or with
+    activation_checkpoint full each block's input; the final hidden states; one logprob chunk's logits, all of
+    them with logprob_chunk_tokens 0, and the lm_head's float32 gradient; this rank's ``grads`` when earlier
+    micro-batches wrote them) or late in a backward (the gradients nearly all written, one block recomputed and its
+    backward's transient). The recompute peaks in a block's attention or feed-forward half, or in a logprob chunk.
+    Both hold the unsharded embedding and lm_head.
+    """
+    t = cfg.trainer
+    compute = _BYTES[cfg.model.dtype]
+    tokens = micro_batch_tokens(cfg, rows=rows, recompute=recompute)
+    d, vocab, layers = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
+    # Batch-invariant mode and tensor parallelism keep whole logits (trainer/build.py).
+    chunk = t.logprob_chunk_tokens if (t.logprob_chunk_tokens and not cfg.batch_invariant_mode
+                                       and t.parallelism.tensor_parallel_degree == 1) else 0
+    logits_tokens = min(chunk, tokens) if chunk else tokens
+    head = vocab * d * compute * (1 if shape.tie_word_embeddings else 2)  # unsharded embedding (and lm_head)
+    hidden = tokens * d * compute * 2  # the final hidden states and the scored positions' copy
+    if recompute:
+        logits = logits_tokens * vocab * (compute + 12)  # logits, a float32 copy, / T, log-softmax
+        return head + max(tokens * block_forward_bytes(shape, compute), hidden + logits)
+    block = block_saved_bytes(shape, compute)
+    full = t.activation_checkpoint == "full"
+    inputs = tokens * layers * compute * d if full else 0  # what activation checkpointing keeps of each block
+    logits = logits_tokens * vocab * LOGITS_BYTES[t.compile and not cfg.batch_invariant_mode]
+    head_grad = vocab * d * 4 if chunk else 0  # trainer/logprobs.py accumulates the lm_head gradient in float32
+    # Past the first of several micro-batches the gradients accumulated so far are there as the next forward runs.
+    accumulated = grads if tokens < rows * cfg.generator.max_model_len else 0
+    early = (inputs if full else tokens * layers * block) + hidden + logits + head_grad + accumulated
+    late = grads + inputs + int(BACKWARD_PEAK * block * tokens)
+    return head + max(early, late)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM 0.26's default CUDA-graph batch sizes: 1, 2, 4, then steps of 8 to 256 and of 16 beyond, up to
+    min(2 x max_num_seqs, 512)."""
+    most = min(2 * max_num_seqs, 512)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, most + 1, 16)]
+    return [s for s in sizes if s <= most]
+
+
+def graph_bytes(cfg: JobConfig, shape: ModelShape) -> int:
+    """What the engine's CUDA graphs hold (generator.enforce_eager false): one pool shared by every captured size,
+    sized by the largest's forward, plus each graph's own; the compiled decoder captures piecewise graphs for
+    prefills besides the full ones for decodes. Inside vLLM's gpu_memory_utilization while it runs; kept on the
+    device while it sleeps (sleep frees only the tagged weights and KV cache)."""
+    g = cfg.generator
+    if g.enforce_eager:
+        return 0
+    sizes = capture_sizes(g.max_num_seqs)
+    compute = _BYTES[cfg.model.dtype]
+    modes = 2 if g.compile else 1
+    return modes * len(sizes) * GRAPH_BYTES + max(sizes) * block_forward_bytes(shape, compute)
 
 
 @dataclass
@@ -60,27 +165,43 @@ class MemoryEstimate:
     """The frozen reference policy's weights (grpo.kl_coef > 0), sharded as the trainer's."""
     trainer_gathered: int
     """Blocks FSDP holds unsharded in the compute dtype during forward/backward (the current and the prefetched)."""
+    trainer_activations: int
+    """The train step's peak beyond the weights, AdamW state and gathered blocks: its largest micro-batch's forward
+    + backward, the gradients it writes included (``activation_bytes``)."""
+    train_tokens: int
+    """Tokens of that micro-batch."""
+    trainer_recompute: int
+    """The logprob recompute's peak (a no-grad forward of its largest micro-batch), while the engine is awake."""
+    recompute_tokens: int
     engine_weights: int
     engine_budget: int
     """What the engine takes on its device: its weights plus KV cache (on CUDA generator.gpu_memory_utilization of
-    the device, all of it vLLM's to hold)."""
+    the device, all of it vLLM's to hold, its CUDA graphs included)."""
+    engine_graphs: int
+    """The engine's CUDA graphs (``graph_bytes``): what it keeps on the device asleep."""
     engine_while_training: int
-    """What the engine keeps on the device while the trainer steps (0 asleep)."""
+    """What the engine keeps on the device while the trainer steps (its CUDA graphs asleep)."""
     grads_freed: bool
     """The gradients are freed after each step (generator.sleep), not kept through the next generation."""
     device_total: int
     role: str
-    """colocated (trainer and engine on each GPU), trainer or generator (weight_sync.transport nccl)."""
+    """colocated (trainer and engine on each GPU: weight_sync.transport inplace), trainer (its engine on another
+    rank, nccl, or in a rollout server, server) or generator (nccl)."""
     kv_token_bytes: int
     """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes)."""
     max_model_len: int
     max_num_seqs: int
 
     @property
+    def kv_bytes(self) -> int:
+        """The engine's budget beyond its weights and CUDA graphs."""
+        return max(0, self.engine_budget - self.engine_weights - self.engine_graphs)
+
+    @property
     def kv_tokens(self) -> int:
-        """Tokens the KV-cache budget could hold (an upper bound: vLLM also keeps activations and CUDA graphs in
-        its budget; the engine's own count is printed once it is built)."""
-        return (self.engine_budget - self.engine_weights) // self.kv_token_bytes
+        """Tokens the KV-cache budget could hold (an upper bound: vLLM also keeps its forward's activations in its
+        budget; the engine's own count is printed once it is built)."""
+        return self.kv_bytes // self.kv_token_bytes
 
     @property
     def trainer_host(self) -> int:
@@ -95,65 +216,98 @@ class MemoryEstimate:
                                        + self.trainer_reference)
 
     @property
+    def _between_steps(self) -> int:
+        """The trainer's resident bytes while the engine generates (the gradients freed when it sleeps)."""
+        if self.role == "generator":
+            return 0
+        return self.trainer_resident - (self.trainer_grads if self.grads_freed and not self.offload else 0)
+
+    @property
     def generate_peak(self) -> int:
-        trainer = self.trainer_resident - (self.trainer_grads if self.grads_freed and not self.offload else 0)
-        return (trainer if self.role != "generator" else 0) + (self.engine_budget if self.role != "trainer" else 0)
+        return self._between_steps + (self.engine_budget if self.role != "trainer" else 0)
+
+    @property
+    def score_peak(self) -> int:
+        """The logprob recompute, after generation and before the engine sleeps."""
+        if self.role == "generator":
+            return 0
+        return self.generate_peak + self.trainer_gathered + self.trainer_recompute
 
     @property
     def train_peak(self) -> int:
         if self.role == "generator":
             return 0
         engine = self.engine_while_training if self.role == "colocated" else 0
-        return self.trainer_resident + self.trainer_gathered + engine
+        # The step's first optimizer step zeroes the gradients (set to None) before its forward: they are counted
+        # in the activations, as the backward writes them.
+        state = self.trainer_resident - (0 if self.offload else self.trainer_grads)
+        return state + self.trainer_gathered + self.trainer_activations + engine
 
     @property
     def peak(self) -> int:
-        return max(self.generate_peak, self.train_peak)
+        return max(self.generate_peak, self.score_peak, self.train_peak)
 
     def summary(self) -> str:
         """One line for the start of a run."""
         g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
         where = "host" if self.offload else "device"
-        parts = [f"memory per {'GPU' if self.device_total else 'rank'} (estimate, activations not counted):"]
+        parts = [f"memory per {'GPU' if self.device_total else 'rank'} (estimate):"]
         if self.role != "generator":
             parts.append(
                 f"trainer {self.params / 1e9:.2f}B params / {self.shards} ranks in {self.master_dtype}: weights "
                 f"{g(self.trainer_params)} + grads {g(self.trainer_grads)} + AdamW {g(self.trainer_adam)} + "
-                f"reference {g(self.trainer_reference)} GiB on {where}, gathered blocks {g(self.trainer_gathered)};")
+                f"reference {g(self.trainer_reference)} GiB on {where}, gathered blocks {g(self.trainer_gathered)}, "
+                f"activations {g(self.trainer_activations)} (micro-batch of {self.train_tokens} tokens; recompute "
+                f"{g(self.trainer_recompute)}, {self.recompute_tokens} tokens);")
         if self.role != "trainer":
-            parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + KV cache "
-                         f"{g(self.engine_budget - self.engine_weights)}: at most {self.kv_tokens} tokens, "
+            parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + CUDA graphs "
+                         f"{g(self.engine_graphs)} + KV cache {g(self.kv_bytes)}: at most {self.kv_tokens} tokens, "
                          f"{self.kv_tokens // self.max_model_len} sequences of max_model_len {self.max_model_len} "
                          f"beside max_num_seqs {self.max_num_seqs}), {g(self.engine_while_training)} while "
                          "the trainer steps;")
-        parts.append(f"peak {g(self.peak)} GiB (generate {g(self.generate_peak)}, train {g(self.train_peak)})")
+        parts.append(f"peak {g(self.peak)} GiB (generate {g(self.generate_peak)}, recompute {g(self.score_peak)}, "
+                     f"train {g(self.train_peak)})")
         if self.device_total:
             parts.append(f"of {g(self.device_total)}, {g(self.device_total - self.peak)} left")
         return " ".join(parts)
 
 
+def trainer_ranks(cfg: JobConfig, world_size: int) -> int:
+    """Processes of the run that train (the nccl layout's last ranks generate)."""
+    return world_size - (cfg.generator.parallelism.data_parallel_replicate_degree
+                         if cfg.weight_sync.transport == "nccl" else 0)
+
+
 def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total: int, role: str) -> MemoryEstimate:
     """The estimate for one rank of ``role`` in a run of ``world_size`` processes (a validated config)."""
     params, trainable, block = count_parameters(shape, cfg.model.lora)
-    trainer_world = world_size - (cfg.generator.parallelism.data_parallel_replicate_degree
-                                  if cfg.weight_sync.transport == "nccl" else 0)
+    trainer_world = trainer_ranks(cfg, world_size)
     par = cfg.trainer.parallelism
     shards = max(1, trainer_world // par.data_parallel_replicate_degree)  # FSDP x TP ranks split each tensor
+    rows = cfg.grpo.prompts_per_step * cfg.grpo.group_size // max(1, trainer_world // par.tensor_parallel_degree)
     master = _BYTES[cfg.trainer.master_dtype]
     compute = _BYTES[cfg.model.dtype]
     engine_weights = params * compute
     on_cuda = device_total > 0
     engine_budget = (int(cfg.generator.gpu_memory_utilization * device_total) if on_cuda
                      else engine_weights + int(cfg.generator.kv_cache_memory_gb * GIB))
+    graphs = graph_bytes(cfg, shape) if on_cuda else 0
     asleep = SLEEP_LEVELS[cfg.generator.sleep] > 0
+    step_rows = max(1, rows // cfg.grpo.mini_batches)
+    offload = cfg.trainer.cpu_offload and on_cuda
+    grads = -(-trainable * master // shards)
     return MemoryEstimate(
-        params=params, trainable=trainable, shards=shards, master_dtype=cfg.trainer.master_dtype,
-        offload=cfg.trainer.cpu_offload and on_cuda,
-        trainer_params=-(-params * master // shards), trainer_grads=-(-trainable * master // shards),
+        params=params, trainable=trainable, shards=shards, master_dtype=cfg.trainer.master_dtype, offload=offload,
+        trainer_params=-(-params * master // shards), trainer_grads=grads,
         trainer_adam=-(-2 * trainable * master // shards), trainer_gathered=2 * block * compute,
         trainer_reference=-(-params * master // shards) if cfg.grpo.kl_coef > 0 else 0,
-        engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights),
-        engine_while_training=0 if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
+        trainer_activations=activation_bytes(cfg, shape, rows=step_rows, recompute=False,
+                                             grads=0 if offload else grads),
+        train_tokens=micro_batch_tokens(cfg, rows=step_rows),
+        trainer_recompute=activation_bytes(cfg, shape, rows=rows, recompute=True),
+        recompute_tokens=micro_batch_tokens(cfg, rows=rows, recompute=True),
+        engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,
+        engine_while_training=graphs if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
         device_total=device_total, role=role, max_model_len=cfg.generator.max_model_len,
         kv_token_bytes=shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * compute,
         max_num_seqs=cfg.generator.max_num_seqs,

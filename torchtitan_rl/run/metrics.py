@@ -45,8 +45,18 @@ class StepMetrics:
     tail: dict[str, float]
     """Where the step's generate went (engine/trace.py, EngineTrace.metrics): gen_tail_share, gen_batch_fill,
     gen_preemptions, ...; {} where no Engine.generate made the batch (a rollout server, multi-turn episodes)."""
+    evaluation_s: float
+    """Held-out evaluation before this step's batch (0 when not due; its own line's eval_s says the same). Not
+    named eval_*: an evaluation's line is the one whose keys start so."""
+    build_s: float
+    """Rollouts -> this rank's batch (grpo/builder.py): scoring, advantages, packing and the logprob recompute."""
+    recompute_s: float
+    """The logprob recompute of pi_old (and the reference's), part of build_s (generator.stream_groups: the groups
+    recomputed while others still generated are in generate_s instead)."""
     train_s: float
     step_s: float
+    log_s: float
+    """The previous step's logging: its metrics line, TensorBoard scalars, progress bar (after its step_s)."""
 
     def as_dict(self) -> dict[str, float]:
         flat: dict[str, float] = {}

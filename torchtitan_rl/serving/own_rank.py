@@ -26,8 +26,8 @@ replica order, so a batch is the same whatever R (bit for bit on CPU;
 elsewhere up to the float rounding of other batch shapes, none in
 batch-invariant mode).
 
-Messages and rollouts go through the job's store, one key each, deleted by
-the reader, so the store does not grow; the weights go over the broadcast
+Messages and rollouts go through the job's store, one key each (in parts
+beyond ``PART_BYTES``), deleted by the reader, so the store does not grow; the weights go over the broadcast
 group of NcclSender/NcclReceiver. A replica answers in order, so a
 "generate" posted before a "sync" is served with the weights before it:
 ``submit`` posts and returns, and the trainer trains while the generators
@@ -57,6 +57,11 @@ from torchtitan_rl.weight_sync.store import store_value
 _PREFIX = "torchtitan_rl/generator"
 _POLL_S = 1.0
 """How often the generator, waiting for a sync's data, checks whether the trainer moved on."""
+PART_BYTES = 4 << 20
+"""A message is stored in parts of at most this many bytes: the libuv TCPStore (torchrun's default) drops the
+connection of a client that sets a value over 8 MiB, and a step's rollouts at 8k-token samples are ~100 MB."""
+_WHOLE, _PARTS = b"W", b"P"
+"""The first byte of a message's key: the pickled message follows, or the number of its parts (keys KEY.0, ...)."""
 
 
 class Mailbox:
@@ -70,8 +75,26 @@ class Mailbox:
         self.read = {"msg": 0, "reply": 0, "group": 0}
 
     def put(self, box: str, value) -> None:
-        self.store.set(f"{box}/{self.sent[box]}", pickle.dumps(value))
+        key, data = f"{box}/{self.sent[box]}", pickle.dumps(value)
+        if len(data) <= PART_BYTES:
+            self.store.set(key, _WHOLE + data)
+        else:  # the parts first: the reader waits for the key itself, set last
+            parts = range(0, len(data), PART_BYTES)
+            for i, start in enumerate(parts):
+                self.store.set(f"{key}.{i}", data[start:start + PART_BYTES])
+            self.store.set(key, _PARTS + str(len(parts)).encode())
         self.sent[box] += 1
+
+    def _load(self, key: str, raw: bytes, *, delete: bool):
+        """The message whose key holds ``raw``, its parts read (and deleted with ``delete``)."""
+        kind, rest = raw[:1], raw[1:]
+        assert kind in (_WHOLE, _PARTS), f"{key}: not a mailbox message"
+        if kind == _PARTS:
+            keys = [f"{key}.{i}" for i in range(int(rest))]
+            rest = b"".join(self.store.get(k) for k in keys)
+            for k in keys if delete else ():
+                self.store.delete_key(k)
+        return pickle.loads(rest)
 
     def waiting(self, box: str) -> bool:
         """Whether the next ``box`` entry has arrived."""
@@ -85,7 +108,8 @@ class Mailbox:
         """The next ``box`` entry if it has arrived (left for ``get``), else None; does not wait."""
         if not self.waiting(box):
             return None
-        return pickle.loads(self.store.get(f"{box}/{self.read[box]}"))
+        key = f"{box}/{self.read[box]}"
+        return self._load(key, self.store.get(key), delete=False)
 
     def get(self, box: str, what: str):
         key = f"{box}/{self.read[box]}"
@@ -95,7 +119,7 @@ class Mailbox:
                 f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
                 f"({self.timeout_s:g} s); did it crash?"
             )
-        value = pickle.loads(raw)
+        value = self._load(key, raw, delete=True)
         self.store.delete_key(key)
         self.read[box] += 1
         return value

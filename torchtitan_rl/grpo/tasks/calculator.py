@@ -6,7 +6,13 @@ calculator wrote (tokens masked out of the loss). Episodes run up to
 ``task.max_turns`` turns (tasks/episodes.py); the reward is the math task's
 (math-verify on the final ``\\boxed{}`` answer, else the last number) read
 from the model's own text only: the tool's ``<result>`` spans are removed
-first, so echoing a tool output is not a way to score.
+first, so echoing a tool output, or stopping at it, is not a way to score.
+
+SmolLM2-135M writes most calls as ``10 * 9 = 90</calc>`` (its own guess after
+an "="), so the calculator evaluates what is left of the first "=" and its
+result corrects the guess; and it closes a call with the token "><" (as the
+prompt's example tokenizes), so the answer continues the "<" it already wrote
+(docs/benchmarks.md, "Multi-turn tool task": the samples).
 """
 
 import ast
@@ -31,7 +37,8 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 
 def calculate(expression: str) -> str:
-    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text; 'error' otherwise.
+    """The value of an arithmetic expression (numbers, + - * /, parentheses) as text; 'error' otherwise. An
+    expression written with a claimed value (``10 * 9 = 90``) is evaluated left of its first "=".
 
     Parsed with ``ast`` and evaluated node by node: no ``eval``, no names, no
     powers (a 9**9**9 would hang the loop)."""
@@ -48,7 +55,7 @@ def calculate(expression: str) -> str:
     try:
         if len(expression) > 200:
             raise ValueError(expression)
-        x = value(ast.parse(expression.strip(), mode="eval").body)
+        x = value(ast.parse(expression.partition("=")[0].strip(), mode="eval").body)
     except (SyntaxError, ValueError, ZeroDivisionError, RecursionError):
         return "error"
     if abs(x) > 1e15:
@@ -84,7 +91,12 @@ class CalculatorTask(ToolTask, MathTask):
 
     def call_tool(self, text: str) -> str | None:
         expression = find_call(text)
-        return None if expression is None else f"<result>{calculate(expression)}</result>"
+        if expression is None:
+            return None
+        answer = f"<result>{calculate(expression)}</result>"
+        # The token that closed the call may have begun the answer ("></calc><": SmolLM2's "><"): go on from there.
+        after = text[text.find(CALL_CLOSE) + len(CALL_CLOSE):]
+        return answer[len(after):] if after and answer.startswith(after) else answer
 
     def completion_text(self, completion_ids: list[int]) -> str:
         return RESULT.sub("", super().completion_text(completion_ids))

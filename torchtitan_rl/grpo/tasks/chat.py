@@ -58,7 +58,9 @@ class ChatTask(Task):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.system_prompt = config.system_prompt
         self.instruction = config.instruction
-        self.reward_fns = reward_fns if reward_fns is not None else rewards.reward_fns(config.format_reward_weight)
+        self.numeric_answer = config.numeric_answer
+        self.reward_fns = (reward_fns if reward_fns is not None
+                           else rewards.reward_fns(config.format_reward_weight, config.numeric_answer))
 
     def make_prompt(self, question: str, answer: str) -> Prompt:
         """``question`` as the chat template renders it for the model to answer."""
@@ -74,7 +76,7 @@ class ChatTask(Task):
         return sum(weight * fn(text, prompt.target) for weight, fn in self.reward_fns)
 
     def correct(self, prompt: Prompt, completion_ids: list[int]) -> bool:
-        return rewards.correct(self.completion_text(completion_ids), prompt.target) == 1.0
+        return rewards.correct(self.completion_text(completion_ids), prompt.target, self.numeric_answer) == 1.0
 
     def describe(self, prompt: Prompt, completion_ids: list[int]) -> str:
         text = self.completion_text(completion_ids)

@@ -62,7 +62,9 @@ class ToolTask(Task):
     @abstractmethod
     def call_tool(self, text: str) -> str | None:
         """The tool's output (text to append) for the first complete tool call in a turn's ``text``;
-        None if the turn makes no call. The turn is cut after the first token at which a call is complete."""
+        None if the turn makes no call. The turn is cut after the first token at which a call is complete,
+        and the output appended is this function's on the text kept (whose last token may hold a few
+        characters past the call)."""
 
     def submit(self, generator, prompts: list[Prompt], *, n: int, seed: int | None,
                sampling: SamplingConfig, max_total_tokens: int):
@@ -109,6 +111,7 @@ class ToolTask(Task):
         if output is not None:
             keep = self._tokens_through(ids)
             ids, lps = ids[:keep], lps[:keep]
+            output = self.call_tool(self._decode(ids))  # for the text kept: it may end inside the answer's opening
         e.tokens += ids
         e.logprobs += lps
         e.mask += [1] * len(ids)

@@ -1,0 +1,94 @@
+"""Each process of a run takes its share of the host's cores (job.host_threads, distributed/threads.py), read inside
+each rank of a real two-process run while it trains."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, free_port
+from torchtitan_rl.distributed.threads import host_threads, usable_cpus
+from torchtitan_rl.grpo.tasks.digits import DigitsTask
+
+
+def test_the_cores_are_split_among_the_processes_sharing_them():
+    assert host_threads(0, cpus=16, local_ranks=2, host_gpus=0, environ={}) == 8
+    assert host_threads(0, cpus=16, local_ranks=1, host_gpus=2, environ={}) == 8  # two one-GPU runs on a 2-GPU host
+    assert host_threads(0, cpus=16, local_ranks=4, host_gpus=2, environ={}) == 4  # the larger count of the two
+    assert host_threads(0, cpus=2, local_ranks=3, host_gpus=0, environ={}) == 1  # never 0
+    assert host_threads(0, cpus=16, local_ranks=2, host_gpus=0, environ={"OMP_NUM_THREADS": "3"}) == 3  # the user's
+    assert host_threads(0, cpus=16, local_ranks=2, host_gpus=0, environ={"OMP_NUM_THREADS": "x"}) == 8
+    assert host_threads(5, cpus=16, local_ranks=2, host_gpus=0, environ={"OMP_NUM_THREADS": "3"}) == 5  # the field's
+    assert host_threads(-1, cpus=16, local_ranks=2, host_gpus=0, environ={}) is None  # defaults left alone
+
+
+class RecordThreads(DigitsTask):
+    """The digits task; each rank's first reward writes the threads its process runs with to $THREADS_OUT."""
+
+    def __init__(self) -> None:
+        super().__init__(mode="copy")
+        self.said = False
+
+    def reward(self, prompt, completion_ids):
+        if not self.said:
+            self.said = True
+            Path(os.environ["THREADS_OUT"], f"rank{os.environ['RANK']}.json").write_text(json.dumps({
+                "torch": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                "inductor": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
+            }))
+        return super().reward(prompt, completion_ids)
+
+
+def record_threads() -> RecordThreads:
+    return RecordThreads()
+
+
+@pytest.mark.slow  # two engines and two trainers on the machine's cores: ~40 s
+def test_each_rank_of_a_two_process_run_takes_half_the_cores(tmp_path):
+    """Two ranks started as a scheduler starts them (srun, mpirun: RANK, LOCAL_WORLD_SIZE, no OMP_NUM_THREADS):
+    left to torch, each would run a thread per core of the host; each takes half instead, vLLM's engine built in
+    the same process keeps it, and the run's compile workers are told the same."""
+    port, out = free_port(), tmp_path / "threads"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")}
+    env.update(PYTHONPATH=str(REPO), THREADS_OUT=str(out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    cmd = [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(REPO / "run_configs" / "cpu_tiny.toml"),
+           "--job.output_dir", str(tmp_path / "run"), "--trainer.steps", "1", "--grpo.prompts_per_step", "4",
+           "--grpo.task", "tests.test_host_threads:record_threads"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    share = max(1, usable_cpus() // 2)
+    for rank in range(2):
+        got = json.loads((out / f"rank{rank}.json").read_text())
+        assert got == {"torch": share, "omp": str(share), "inductor": str(share)}, (rank, got)
+
+
+def test_a_user_setting_is_kept(tmp_path):
+    """OMP_NUM_THREADS set by the user (or torchrun) wins over the share; job.host_threads -1 leaves torch alone."""
+    code = ("import os, torch; from torchtitan_rl.distributed.threads import set_host_threads; "
+            "print(set_host_threads(int(os.environ['SETTING']), device_type='cpu'), torch.get_num_threads(), "
+            "os.environ.get('OMP_NUM_THREADS'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(REPO)
+
+    def run(setting: int, **extra) -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, "SETTING": str(setting), **extra},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert run(0, OMP_NUM_THREADS="1") == ["1", "1", "1"]
+    assert run(2, OMP_NUM_THREADS="1") == ["2", "2", "2"]
+    untouched = run(-1)  # torch's own default, no variable set
+    assert untouched[0] == "None" and untouched[2] == "None", untouched
