@@ -119,3 +119,20 @@ def test_generator_hands_over_its_expert_choices_and_replay_makes_the_trainer_us
         assert torch.equal(ids_BLK[0, :-1], given_BLNK[0, :-1, n].long())
     for h in hooks:
         h.remove()
+
+
+@pytest.mark.slow  # its own engine: ~28 s on 2 shared cores
+def test_auto_load_of_an_moe_export_serves_its_weights(tmp_path):
+    """load_format=auto on a Qwen3 MoE folder: the HF experts land in the fused layout through the sync's views."""
+    from torchtitan_rl.config import GeneratorConfig, ModelConfig
+    from torchtitan_rl.engine.engine import Engine
+    from torchtitan_rl.export import export_hf
+
+    model, shape = moe_model(seed=8), tiny_shape("tiny-moe")
+    folder = export_hf(synced_state(model), shape=shape, out_dir=tmp_path / "hf", dtype="float32")
+    gen = Engine(GeneratorConfig(load_format="auto"), model_config=ModelConfig(hf_checkpoint=str(folder)),
+                 shape=shape, seed=0, device="cpu", workdir=tmp_path / "work")
+    try:
+        assert_serves(gen.generate(PROMPTS, n=2, seed=0), model, not_=[moe_model(seed=9)])
+    finally:
+        gen.close()

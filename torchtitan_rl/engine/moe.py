@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from torchtitan_rl import compat
 from torchtitan_rl.models.destination import Destination
-from torchtitan_rl.models.moe import synced
+from torchtitan_rl.models.moe import ROUTING_BIAS, synced
 from torchtitan_rl.models.qwen3_moe import stacked_expert_views
 from torchtitan_rl.models.shape import ModelShape, titan_config
 
@@ -157,7 +157,7 @@ def load_through_targets(targets: dict[str, Destination], state: dict[str, torch
     ValueError naming model.hf_checkpoint unless they are exactly the model's."""
     with torch.device("meta"):
         wanted = {k for k in titan_config(shape).build().state_dict() if synced(k) and not k.endswith("rope.cache")}
-    wanted = {k for k in wanted if "expert_bias_E" not in k}  # not in an HF checkpoint: starts at 0
+    wanted = {k for k in wanted if not k.endswith(ROUTING_BIAS)}  # not in an HF checkpoint: starts at 0
     fused = {k for k in wanted if k.endswith("qkv_linear.wqkv.weight")}
     wanted = (wanted - fused) | {k[: -len("wqkv.weight")] + f"{q}.weight" for k in fused for q in ("wq", "wk", "wv")}
     if shape.tie_word_embeddings:
@@ -170,5 +170,5 @@ def load_through_targets(targets: dict[str, Destination], state: dict[str, torch
         dest = targets[key]
         dest.view.copy_(state[key].reshape(dest.view.shape))
     for name, t in targets.items():
-        if name.endswith("expert_bias_E"):
+        if name.endswith(ROUTING_BIAS):
             t.view.zero_()
