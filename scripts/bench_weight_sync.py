@@ -60,8 +60,8 @@ DEFAULT_BUCKET_MB = WeightSyncConfig().bucket_mb
 
 
 def bench_shape(flavor: str, *, layers: int | None):
-    """The flavor's shape (vocabulary 16 for the tiny ones), cut to its first ``layers`` decoder layers when it has more;
-    and the label the table shows for it."""
+    """The flavor's shape (vocabulary 16 for the tiny ones), cut to its first ``layers`` decoder layers when it
+    has more; and the label the table shows for it."""
     shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor.startswith("tiny") else 0,
                           max_seq_len=128)
     if layers is None or layers >= shape.num_hidden_layers:
@@ -430,8 +430,8 @@ def run_cuda(args) -> None:
     )
     errors = [f"- {r['flavor']} {k}: `{v}`" for r in results for k, v in r.get("errors", {}).items()]
     cut = [f"{r['flavor']}: {r['n_params'] / r['whole_model_params']:.1%} of the whole model's "
-           f"{r['whole_model_params'] / 1e9:.1f} B parameters; its sync moves ~{r['whole_model_params'] / r['n_params']:.1f}x "
-           "these bytes" for r in results if "whole_model_params" in r]
+           f"{r['whole_model_params'] / 1e9:.1f} B parameters; its sync moves "
+           f"~{r['whole_model_params'] / r['n_params']:.1f}x these bytes" for r in results if "whole_model_params" in r]
     if cut:
         body += "\nShapes cut to their first layers (--layers): " + "; ".join(cut) + ".\n"
     if previous:

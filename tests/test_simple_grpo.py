@@ -123,7 +123,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, moe):
     assert [r["weight_version"] for r in b] == [3, 4, 5]
     # Same prompts, same samples, same trainer state: every metric bit for bit.
     for got, want in zip(_not_timings(b), _not_timings(a[3:]), strict=True):
-        assert got == want, {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys() if got.get(k) != want.get(k)}
+        assert got == want, {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys()
+                             if got.get(k) != want.get(k)}
     if moe:  # the generator's expert choices vs the trainer's, measured every step
         assert all(r["routing_tokens"] > 0 and "routing_mismatch" in r for r in a)
     # The resumed run continues its run's folder and metrics file.

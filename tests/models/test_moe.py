@@ -84,7 +84,8 @@ def _cpu_tiny_moe(**fields) -> JobConfig:
 
 @pytest.mark.parametrize("fields, message", [
     ({"model__flavor": "tiny", "grpo__routing_replay": True}, "grpo.routing_replay: Qwen3ForCausalLM has no experts"),
-    ({"model__flavor": "tiny", "model__moe_load_balance_coeff": 1e-3}, "model.moe_load_balance_coeff: 0.001 needs an MoE"),
+    ({"model__flavor": "tiny", "model__moe_load_balance_coeff": 1e-3},
+     "model.moe_load_balance_coeff: 0.001 needs an MoE"),
     ({"grpo__routing_replay": True, "weight_sync__transport": "nccl"},
      "grpo.routing_replay: needs the generator's expert choices"),
     ({"model__moe_load_balance_coeff": 1e-3, "job__export": True}, "model.moe_load_balance_coeff: > 0 gives"),
