@@ -14,12 +14,20 @@ not give their GPU memory back), and two more baselines join:
   HTTP route without the HTTP server.
 - peak extra GPU memory of ours (torch.cuda.max_memory_allocated delta).
 
+Mixture-of-experts shapes (Qwen3 MoE): ``--layers N`` keeps the first N decoder layers of a shape whose fp32
+masters do not fit one GPU (every tensor keeps its 30B-A3B shape; the table names the layers and the whole
+model's size), and ``--bucket-mb`` adds a row of ours per bucket size (weight_sync.bucket_mb: the tensors
+cast, copied and verified together).
+
     python scripts/bench_weight_sync.py --flavors tiny debugmodel 0.6B
     python scripts/bench_weight_sync.py --device cuda --flavors 0.6B 1.7B 4B 8B
+    python scripts/bench_weight_sync.py --device cuda --flavors debugmodel_moe 30B-A3B --layers 8 \
+        --bucket-mb 128 512 2048 --section "Weight sync, MoE (cuda)"
 """
 
 import argparse
 import base64
+import dataclasses
 import gc
 import json
 import os
@@ -38,7 +46,8 @@ from bench_common import median_seconds, synchronize, table, write_section  # no
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig  # noqa: E402
 from torchtitan_rl.engine.engine import Engine, build_engine  # noqa: E402
 from torchtitan_rl.models.families import resolve_shape, to_hf  # noqa: E402
-from torchtitan_rl.models.shape import build_titan_model  # noqa: E402
+from torchtitan_rl.models.moe import synced, synced_state  # noqa: E402
+from torchtitan_rl.models.shape import build_titan_model, titan_config  # noqa: E402
 from torchtitan_rl.weight_sync.sync import WeightSync  # noqa: E402
 
 RAY_STUB = Path(__file__).resolve().parent / "gpu" / "stubs"
@@ -47,6 +56,40 @@ FLOOR = "floor: fp32->bf16 cast copy"
 SAME_BYTES = "floor: same bytes as ours (params cast + fp32 buffers copied)"
 PROTOTYPE = "ours (sampled), prototype: unchanged RoPE buffers skipped after the first sync"
 GiB = 1 << 30
+DEFAULT_BUCKET_MB = WeightSyncConfig().bucket_mb
+
+
+def bench_shape(flavor: str, *, layers: int | None):
+    """The flavor's shape (vocabulary 16 for the tiny ones), cut to its first ``layers`` decoder layers when it
+    has more; and the label the table shows for it."""
+    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor.startswith("tiny") else 0,
+                          max_seq_len=128)
+    if layers is None or layers >= shape.num_hidden_layers:
+        return shape, flavor
+    label = f"{flavor} ({layers} of {shape.num_hidden_layers} layers)"
+    return dataclasses.replace(shape, num_hidden_layers=layers), label
+
+
+def param_count(shape) -> tuple[int, int]:
+    """Parameters and buffer elements of the shape's model (built on the meta device)."""
+    with torch.device("meta"):
+        meta = titan_config(shape).build()
+    return (sum(p.numel() for p in meta.parameters()),
+            sum(b.numel() for name, b in meta.named_buffers() if synced(name)))
+
+
+def bucket_rows(ws_for, state: dict, *, buckets: list[int], device: str, repeats: int, times: dict,
+                peaks: dict | None = None) -> None:
+    """ours (verify=sampled) at each bucket size other than the default (whose row is already there)."""
+    version = iter(range(100_000, 200_000))
+    for mb in buckets:
+        if mb == DEFAULT_BUCKET_MB:
+            continue
+        ws = ws_for(WeightSyncConfig(verify="sampled", bucket_mb=mb))
+        name = f"ours (verify=sampled, bucket {mb} MiB)"
+        times[name] = median_seconds(lambda: ws.sync(state, version=next(version)), device=device, repeats=repeats)
+        if peaks is not None:
+            peaks[name] = _peak_extra(lambda: ws.sync(state, version=next(version)))
 
 
 def native_engine(shape, workdir: Path, device: str):
@@ -69,10 +112,11 @@ def hf_weights(trainer, shape) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in hf_state.items()}
 
 
-def bench_flavor(flavor: str, *, device: str, repeats: int, workdir: Path) -> list:
-    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0 if flavor != "tiny" else 16, max_seq_len=128)
+def bench_flavor(flavor: str, *, device: str, repeats: int, workdir: Path, layers: int | None = None,
+                 buckets: list[int] = (DEFAULT_BUCKET_MB,)) -> list:
+    shape, label = bench_shape(flavor, layers=layers)
     trainer = build_titan_model(shape, seed=0, device=device)
-    state = {**dict(trainer.named_parameters()), **dict(trainer.named_buffers())}
+    state = synced_state(trainer)  # parameters and buffers, an MoE's expert counters left out
     n_params = sum(p.numel() for p in trainer.parameters())
 
     gen = Engine(
@@ -87,6 +131,8 @@ def bench_flavor(flavor: str, *, device: str, repeats: int, workdir: Path) -> li
             lambda: ws.sync(state, version=next(version)), device=device, repeats=repeats
         )
     moved = ws.plan.nbytes
+    bucket_rows(lambda config: WeightSync(config, reference=state, generator=gen), state, buckets=list(buckets),
+                device=device, repeats=repeats, times=rows)
 
     # Floors: one flat buffer of the same element count.
     src32 = torch.randn(n_params, device=device)
@@ -111,9 +157,9 @@ def bench_flavor(flavor: str, *, device: str, repeats: int, workdir: Path) -> li
 
     floor = rows[FLOOR]
     return [
-        [flavor, f"{n_params / 1e6:.1f} M", name, f"{t * 1e3:.2f}", f"{t / floor:.2f}x"]
+        [label, f"{n_params / 1e6:.1f} M", name, f"{t * 1e3:.2f}", f"{t / floor:.2f}x"]
         for name, t in rows.items()
-    ] + [[flavor, "", f"bytes written by ours: {moved / 2**20:.1f} MiB", "", ""]]
+    ] + [[label, "", f"bytes written by ours: {moved / 2**20:.1f} MiB", "", ""]]
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -214,7 +260,7 @@ def bench_ipc(hf_state: dict, shape, workdir: Path, repeats: int) -> dict:
     return out
 
 
-def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: int) -> None:
+def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: int, buckets: list[int]) -> None:
     """Our sync into the generator in this process: three verification levels, peaks, validation alone."""
     times, n_params, n_buffers, flavor = res["times"], res["n_params"], res["n_buffers"], res["flavor"]
     t = time.perf_counter()
@@ -223,7 +269,7 @@ def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: i
             max_model_len=128, max_num_seqs=8, enforce_eager=True,
             gpu_memory_utilization=_util(2 * n_params + 4 * n_buffers, 3.0),
         ),
-        model_config=ModelConfig(flavor=flavor), shape=shape, seed=0, device="cuda", workdir=workdir,
+        model_config=ModelConfig(), shape=shape, seed=0, device="cuda", workdir=workdir,
     )
     res["ours_generator_build_s"] = time.perf_counter() - t
     version = iter(range(1, 100_000))
@@ -236,6 +282,8 @@ def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: i
     times["ours: validation alone (names, shapes, NaN/inf scan)"] = median_seconds(
         lambda: ws.validate(state), device="cuda", repeats=repeats
     )
+    bucket_rows(lambda config: WeightSync(config, reference=state, generator=gen), state, buckets=buckets,
+                device="cuda", repeats=repeats, times=times, peaks=peaks)
     res["peak_extra_bytes"] = peaks
     res["bytes_written"] = ws.plan.nbytes
 
@@ -249,16 +297,17 @@ def bench_ours(res: dict, trainer, state: dict, shape, workdir: Path, repeats: i
     res["peak_extra_bytes"][PROTOTYPE] = _peak_extra(lambda: ws.sync(state, version=next(version)))
 
 
-def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list[str]) -> dict:
+def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list[str], layers: int | None = None,
+                      buckets: list[int] = (DEFAULT_BUCKET_MB,)) -> dict:
     """One shape, every method; run in a fresh process (see the module docstring)."""
-    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=128)
-    with torch.device("meta"):
-        meta = titan_config(shape).build()
-    n_params = sum(p.numel() for p in meta.parameters())
-    n_buffers = sum(b.numel() for b in meta.buffers())  # fp32 RoPE caches, synced too
+    shape, label = bench_shape(flavor, layers=layers)
+    n_params, n_buffers = param_count(shape)  # buffers: fp32 RoPE caches, synced too
     if n_params > 3e9:
         repeats = min(repeats, 5)
-    res: dict = {"flavor": flavor, "n_params": n_params, "n_buffers": n_buffers, "times": {}, "methods": methods}
+    res: dict = {"flavor": label, "n_params": n_params, "n_buffers": n_buffers, "times": {}, "methods": methods}
+    if label != flavor:  # what the whole model would move: the sync scales with its bytes
+        res["whole_model_params"] = param_count(resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0,
+                                                              max_seq_len=128))[0]
     times = res["times"]
 
     # 1. Floors first, on flat buffers of the same element count, freed before anything else.
@@ -281,7 +330,7 @@ def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list
 
     # 2. The trainer's fp32 master weights (+ RoPE buffers).
     trainer = build_titan_model(shape, seed=0, device="cuda")
-    state = {**dict(trainer.named_parameters()), **dict(trainer.named_buffers())}
+    state = synced_state(trainer)  # parameters and buffers, an MoE's expert counters left out
 
     # 3. vLLM's IPC engine (child process; gone before the in-process engines start).
     res["errors"] = {}
@@ -300,7 +349,7 @@ def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list
 
     # 4. Ours: the generator in this process, all three verification levels.
     if "ours" in methods:
-        bench_ours(res, trainer, state, shape, workdir, repeats)
+        bench_ours(res, trainer, state, shape, workdir, repeats, list(buckets))
 
     # 5. vLLM's reload_weights on its native Qwen3, in process, fed the same weights in HF names.
     if "reload" in methods:
@@ -327,7 +376,9 @@ def bench_flavor_cuda(flavor: str, *, repeats: int, workdir: Path, methods: list
 def _worker(flavor: str, methods: list[str], args, tmp: Path) -> dict | None:
     out = tmp / f"{flavor}_{'_'.join(methods)}.json"
     cmd = [sys.executable, __file__, "--device", "cuda", "--worker", flavor, "--json", str(out),
-           "--repeats", str(args.repeats), "--methods", *methods]
+           "--repeats", str(args.repeats), "--methods", *methods, "--bucket-mb", *map(str, args.bucket_mb)]
+    if args.layers is not None:
+        cmd += ["--layers", str(args.layers)]
     t = time.perf_counter()
     proc = subprocess.run(cmd)
     print(f"[bench_weight_sync] {flavor} {methods}: exit {proc.returncode} in {time.perf_counter() - t:.0f} s",
@@ -348,7 +399,7 @@ def _merge(old: dict, new: dict) -> dict:
 
 def run_cuda(args) -> None:
     previous = {r["flavor"]: r for r in json.loads(Path(args.merge_json).read_text())} if args.merge_json else {}
-    results = dict(previous)
+    results, missing = dict(previous), []
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in args.flavors:
             # reload_weights gets its own process: with ours' generator still resident an 8B
@@ -356,8 +407,10 @@ def run_cuda(args) -> None:
             groups = [[m for m in args.methods if m != "reload"], ["reload"] if "reload" in args.methods else []]
             for methods in filter(None, groups):
                 res = _worker(flavor, methods, args, Path(tmp))
-                if res is not None:
-                    results[flavor] = _merge(results.get(flavor, {}), res)
+                if res is None:
+                    missing.append(flavor)
+                else:  # keyed by the table's label: a shape cut to fewer layers is another row
+                    results[res["flavor"]] = _merge(results.get(res["flavor"], {}), res)
     results = [results[f] for f in sorted(results, key=lambda f: results[f]["n_params"])]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
@@ -376,7 +429,11 @@ def run_cuda(args) -> None:
         ["model", "params", "method", "median ms", "vs cast floor", "vs ours (sampled)", "peak extra MiB"], rows
     )
     errors = [f"- {r['flavor']} {k}: `{v}`" for r in results for k, v in r.get("errors", {}).items()]
-    missing = [f for f in args.flavors if f not in {r["flavor"] for r in results}]
+    cut = [f"{r['flavor']}: {r['n_params'] / r['whole_model_params']:.1%} of the whole model's "
+           f"{r['whole_model_params'] / 1e9:.1f} B parameters; its sync moves "
+           f"~{r['whole_model_params'] / r['n_params']:.1f}x these bytes" for r in results if "whole_model_params" in r]
+    if cut:
+        body += "\nShapes cut to their first layers (--layers): " + "; ".join(cut) + ".\n"
     if previous:
         body += (f"\nMerged: this run ({' '.join(args.flavors)}: {' '.join(args.methods)}) over the "
                  f"earlier results in `{args.merge_json}`.\n")
@@ -411,11 +468,16 @@ def main() -> None:
     parser.add_argument("--merge-json", default=None,
                         help="CUDA: an earlier --json; this run's numbers replace or add to it")
     parser.add_argument("--json", default=None, help="CUDA: also write the raw results here")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the first N decoder layers of a deeper shape (30B-A3B's tensors on one GPU)")
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[DEFAULT_BUCKET_MB],
+                        help="weight_sync.bucket_mb values: a row of ours (verify=sampled) per value")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         with tempfile.TemporaryDirectory() as tmp:
-            res = bench_flavor_cuda(args.worker, repeats=args.repeats, workdir=Path(tmp), methods=args.methods)
+            res = bench_flavor_cuda(args.worker, repeats=args.repeats, workdir=Path(tmp), methods=args.methods,
+                                    layers=args.layers, buckets=args.bucket_mb)
         Path(args.json).write_text(json.dumps(res))
         print(json.dumps(res, indent=1), flush=True)
         os._exit(0)  # skip vLLM's in-process engine teardown
@@ -427,7 +489,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for flavor in args.flavors:
-            rows += bench_flavor(flavor, device=args.device, repeats=args.repeats, workdir=Path(tmp) / flavor)
+            rows += bench_flavor(flavor, device=args.device, repeats=args.repeats, workdir=Path(tmp) / flavor,
+                                 layers=args.layers, buckets=args.bucket_mb)
     body = table(["model", "params", "method", "median ms", "vs cast floor"], rows)
     body += (
         "\nSource: fp32 trainer master weights (+ RoPE buffers); destination: the generator's bf16 "

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import REPO, run_module
+from tests.helpers import REPO, run_module, tiny_shape
 from tests.models.test_families import FP32_ATOL, TOKENS_BL, hf_logprobs, make_trainer, shape_of
 from tests.trainer.helpers import make_batch
 from torchtitan_rl import compat
@@ -15,6 +15,8 @@ from torchtitan_rl.config import GRPOConfig, JobConfig, LoRAConfig, write_toml
 from torchtitan_rl.engine.engine import build_engine
 from torchtitan_rl.export import export_hf
 from torchtitan_rl.grpo.tasks.digits import DigitsTask, build_digits_tokenizer
+from torchtitan_rl.models.moe import synced_state
+from torchtitan_rl.models.shape import build_titan_model
 
 FAMILIES = ["qwen3", "llama"]
 
@@ -332,3 +334,33 @@ def test_a_random_model_on_another_checkpoints_tokenizer_exports_its_own_shape(s
     assert (config["hidden_size"], config["num_hidden_layers"]) == (shape.hidden_size, shape.num_hidden_layers)
     assert shape_of(out) == shape
     assert (out / "tokenizer.json").is_file()
+
+
+def test_moe_export_loads_in_native_vllm_as_qwen3_moe(tmp_path):
+    """A Qwen3 MoE export runs in vLLM's own Qwen3MoeForCausalLM (its fused-MoE layer) as in transformers."""
+    shape = tiny_shape("tiny-moe")
+    model = build_titan_model(shape, seed=1)
+    with torch.no_grad():  # experts 4x their init: at init they hardly move a logprob (tests/engine/test_moe.py)
+        for name, p in model.named_parameters():
+            if ".inner_experts." in name:
+                p.mul_(4)
+    out = export_hf(synced_state(model), shape=shape, out_dir=tmp_path / "export", dtype="float32")
+    tokens_BL = torch.randint(0, shape.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = hf_logprobs(out, tokens_BL)
+
+    # Its own process: vLLM keeps one set of groups per process, and a dense engine built earlier in this one
+    # left out the expert-parallel group vLLM's own MoE layer asks for (a run builds one engine).
+    torch.save(tokens_BL, tmp_path / "tokens.pt")
+    proc = run_module("tests.test_export", str(out), str(tmp_path / "tokens.pt"), str(tmp_path / "got.pt"),
+                      timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, model_cls = torch.load(tmp_path / "got.pt")
+    assert model_cls == "vllm.model_executor.models.qwen3_moe.Qwen3MoeForCausalLM", model_cls
+    torch.testing.assert_close(got, want, atol=FP32_ATOL, rtol=0)
+
+
+if __name__ == "__main__":  # python -m tests.test_export FOLDER TOKENS OUT: vLLM's native prompt logprobs
+    import sys
+
+    folder, tokens, result = sys.argv[1:]
+    torch.save(vllm_native_prompt_logprobs(folder, torch.load(tokens)), result)

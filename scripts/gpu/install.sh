@@ -19,6 +19,9 @@ want = open("/tmp/stash/_C_stable_libtorch.abi3.so.sha256").read().split()[0]
 assert hashlib.sha256(open(so, "rb").read()).hexdigest() == want, "vLLM _C checksum mismatch"
 PY
 fi
+if [ -f /tmp/stash/_moe_C_stable_libtorch.abi3.so ] && [ ! -f /tmp/site/vllm/_moe_C_stable_libtorch.abi3.so ]; then
+  cp /tmp/stash/_moe_C_stable_libtorch.abi3.so /tmp/site/vllm/  # chunk C (MoE), stashed by .gpu/c/stash_c.sh
+fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_USE_FLASHINFER_SAMPLER=0   # flashinfer is not shipped

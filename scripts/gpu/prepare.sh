@@ -7,6 +7,7 @@
 # It writes, in the checkout (ignored through .git/info/exclude: /.gpu/):
 #   .gpu/a/  vLLM's _C extension, xz-compressed, + torchtitan wheels + stash.sh  (~55 MB)
 #   .gpu/b/  the rest of a slimmed vLLM tree + dependency wheels + install.sh     (~30 MB)
+#   .gpu/c/  vLLM's _moe_C library (fused-MoE kernels' moe_align_block_size, moe_sum), xz + stash_c.sh (MoE runs)
 # Each chunk stays under the device tool's 64 MiB per call. docs/gpu.md says
 # which device calls use them.
 set -euo pipefail
@@ -15,7 +16,8 @@ REPO=$(cd "$HERE/../.." && pwd)
 WORK=${WORK:-/tmp/gpu_prep}
 OUTA=$REPO/.gpu/a
 OUTB=$REPO/.gpu/b
-mkdir -p "$WORK" "$OUTA/titan" "$OUTB/wheels"
+OUTC=$REPO/.gpu/c
+mkdir -p "$WORK" "$OUTA/titan" "$OUTB/wheels" "$OUTC"
 grep -qx '/.gpu/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$REPO/.git/info/exclude"
 
 PLATS=""
@@ -32,6 +34,10 @@ fi
 #    (FA2 kernels, MoE kernels, the Rust frontend, DeepGEMM for FP8, SM100 headers)
 rm -rf "$WORK/site" && mkdir -p "$WORK/site"
 (cd "$WORK/site" && python3 -m zipfile -e "$VLLM_WHEEL" .)
+# MoE (scripts/gpu/moe.sh): the fused-MoE Triton path calls _moe_C's ops; its own chunk, since A and B are full.
+xz -9e -T0 -c "$WORK/site/vllm/_moe_C_stable_libtorch.abi3.so" > "$OUTC/_moe_C_stable_libtorch.abi3.so.xz"
+(cd "$WORK/site/vllm" && sha256sum _moe_C_stable_libtorch.abi3.so) > "$OUTC/_moe_C_stable_libtorch.abi3.so.sha256"
+cp "$HERE/stash_c.sh" "$OUTC/stash_c.sh"
 for d in vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
          vllm/third_party/deep_gemm vllm/third_party/fmha_sm100; do rm -rf "$WORK/site/$d"; done
 rm -f "$OUTA"/titan/*.whl "$OUTB"/wheels/*.whl
@@ -60,4 +66,4 @@ $PD -d "$OUTA/titan" torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_
 
 cp "$HERE/stash.sh" "$OUTA/stash.sh"
 cp "$HERE/install.sh" "$OUTB/install.sh"
-du -sh "$OUTA" "$OUTB"
+du -sh "$OUTA" "$OUTB" "$OUTC"

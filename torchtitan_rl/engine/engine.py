@@ -24,6 +24,7 @@ from torchtitan_rl import collector, compat
 from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, LoRAConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.lengths import response_length
+from torchtitan_rl.engine.moe import RouteLog
 from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts
 from torchtitan_rl.engine.trace import TraceRecorder
 from torchtitan_rl.engine.compile_cache import cached_model_folder
@@ -206,6 +207,11 @@ class Engine:
             enable_sleep_mode=config.sleep != "off",
         )
         self.model = compat.vllm_model(self.engine)
+        self._route_log: RouteLog | None = None
+        """MoE: each request's expert choices, filed after every forward (engine/moe.py)."""
+        if self.model.routes is not None:
+            self._route_log = RouteLog(self.model.routes)
+            compat.on_model_forward(self.engine, self._route_log.file)
         self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
         """Tokens the engine's KV cache holds (vLLM's "KV cache size")."""
         if config.load_format == "auto":
@@ -379,6 +385,8 @@ class Engine:
         s = sampling or self.config.sampling
         assert lengths is None or seed is not None, "drawn lengths are seeded by the request"
         so_far = partial.so_far if partial is not None else None
+        # A cut sample's expert choices would span requests, a streamed group's leave before they are filed.
+        assert self._route_log is None or (partial is None and on_group is None), "MoE: refused by run/parts.py"
         # One request per sample (not SamplingParams.n) so each sample has its
         # own seed and the output order is ours to fix: group-contiguous.
         requests, to_add = [], []
@@ -459,6 +467,8 @@ class Engine:
 
         out = rows(0, len(requests))
         out.generate_s, out.idle_s, out.trace = time.perf_counter() - started, idle_s, trace.finish()
+        if self._route_log is not None:
+            out.routes = self._route_log.samples([rid for rid, _ in requests], out.prompt_ids, out.completion_ids, n=n)
         return out
 
     def _rows(self, requests: list, a: int, b: int, *, version: int, so_far: Rollouts | None, finished: dict,

@@ -23,6 +23,10 @@ class Rollouts:
     """Seconds the engine had nothing to do (no batch, no sync) between its previous batch and this one."""
     loss_mask: list[list[int]] | None = None
     """Multi-turn episodes: 1 on the policy's tokens, 0 on a tool's (not trained on); None: all 1."""
+    routes: list | None = None
+    """MoE: per completion, int16 numpy [prompt + completion - 1, MoE layers, top-k], the experts the generator's
+    forward chose at each position it computed (-1: none recorded); None for a dense model or a generator that
+    does not hand them over (routing replay, the routing-mismatch metric)."""
     trace: EngineTrace | None = None
     """Where the engine's time went (engine/trace.py: the tail, the batch fill, preemptions); None where no
     Engine.generate made the batch (a rollout server's, a multi-turn episode's)."""
@@ -54,6 +58,7 @@ class Rollouts:
             loss_mask=None if self.loss_mask is None else self.loss_mask[a:b],
             versions=None if self.versions is None else self.versions[a:b],
             finished=None if self.finished is None else self.finished[a:b],
+            routes=None if self.routes is None else self.routes[a:b],
         )
 
     @staticmethod
@@ -82,6 +87,7 @@ class Rollouts:
             generate_s=max(p.generate_s for p in parts),
             idle_s=sum(p.idle_s for p in parts) / len(parts),
             loss_mask=masks,
+            routes=None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes],
             trace=EngineTrace.merge([p.trace for p in parts]) if all(p.trace is not None for p in parts) else None,
             versions=versions,
             finished=finished,

@@ -18,7 +18,8 @@ from torchtitan_rl import compat
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.kernels.batch_invariant import attention as bi_attention, make_batch_invariant, padded_len, seqs_per_chunk
 from torchtitan_rl.models.lora import apply_lora
-from torchtitan_rl.models.families import family_by_model_type, load_hf_state, shape_from_hf_config
+from torchtitan_rl.engine.moe import FusedMoE, RouteRecorder, load_through_targets
+from torchtitan_rl.models.families import family_by_model_type, from_hf, load_hf_state, shape_from_hf_config
 from torchtitan_rl.models.shape import ModelShape, qkv_views, titan_config
 from torchtitan_rl.models.destination import Destination
 
@@ -234,7 +235,12 @@ class TorchTitanForCausalLM(nn.Module):
         # architectures is TITAN_ARCH here (hf_overrides); model_type is still the family's.
         family = family_by_model_type(hf_config["model_type"])
         self.shape = shape_from_hf_config(hf_config, family=family, where="generator: the model's config.json")
-        self.model = titan_config(self.shape).build()
+        self.routes: RouteRecorder | None = None
+        """MoE: the expert ids each layer chose for the current forward's tokens (engine/moe.py)."""
+        if self.shape.moe:
+            self.model, self.routes = _build_moe(self.shape, max_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+        else:
+            self.model = titan_config(self.shape).build()
         # Batch-invariant mode (flag carried in hf_overrides).
         batch_invariant = bool(hf_config.get(BATCH_INVARIANT_KEY, False))
         for i, layer in enumerate(self.model.layers.values()):
@@ -279,6 +285,9 @@ class TorchTitanForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a Hugging Face checkpoint (load_format=auto, debugging without a trainer)."""
+        if self.shape.moe:  # the experts live in the fused layout: written through the sync's views
+            load_through_targets(self.sync_targets(), from_hf(dict(weights), self.shape), self.shape)
+            return {name for name, _ in self.named_parameters()}
         # vLLM's attention layer owns its KV-cache scales (engine_constants), no checkpoint holds them.
         load_hf_state(self.model, dict(weights), self.shape, where="model.hf_checkpoint",
                       owned_elsewhere=".inner_attention.attn.")
@@ -327,12 +336,32 @@ def sync_targets(model: nn.Module, shape: ModelShape) -> dict[str, Destination]:
     }
     if shape.tie_word_embeddings:
         targets["lm_head.weight"] = targets["tok_embeddings.weight"]
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):  # the trainer's stacked experts, as views into the fused layout
+            for key, view in module.expert_views().items():
+                targets[f"{name}.routed_experts.inner_experts.{key}"] = Destination(view, view.shape)
     for name in [n for n in targets if n.endswith("qkv_linear.wqkv.weight")]:
         prefix = name[: -len("wqkv.weight")]
         for key, view in qkv_views(targets[name].view, shape).items():
             rows = view.numel() // view.shape[-1]
             targets[f"{prefix}{key}.weight"] = Destination(view, torch.Size([rows, view.shape[-1]]))
     return targets
+
+
+def _build_moe(shape: ModelShape, *, max_tokens: int) -> tuple[nn.Module, RouteRecorder]:
+    """torchtitan's decoder with each layer's MoE swapped for the fused layer (engine/moe.py). Built on the meta
+    device first, so torchtitan's own expert tensors (most of the model's memory) are never allocated."""
+    device = torch.empty(0).device  # vLLM builds the model under its target device
+    with torch.device("meta"):
+        model = titan_config(shape).build()
+    model.to_empty(device=device)
+    if shape.tie_word_embeddings:  # to_empty gives each module its own tensor
+        model.lm_head.weight = model.tok_embeddings.weight
+    recorder = RouteRecorder(max_tokens=max_tokens, layers=shape.num_hidden_layers, top_k=shape.num_experts_per_tok)
+    recorder.ids_TNK = recorder.ids_TNK.to(device)
+    for i, layer in enumerate(model.layers.values()):
+        layer.moe = FusedMoE(titan_moe=layer.moe, shape=shape, layer=i, recorder=recorder)
+    return model, recorder
 
 
 def _compile_requested(vllm_config) -> bool:

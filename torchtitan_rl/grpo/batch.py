@@ -59,6 +59,31 @@ def logprob_mismatch(trainer_BL: torch.Tensor, generator_BL: torch.Tensor, mask_
     }
 
 
+def pack_routes(routes: list, length: int) -> torch.Tensor:
+    """int16 [B, length, MoE layers, top-k]: each row's generator expert choices (engine/rollouts.py's
+    ``routes``) at its positions, -1 past them (padding, and the last token, which no forward computed)."""
+    first = next(r for r in routes)
+    out = torch.full((len(routes), length, *first.shape[1:]), -1, dtype=torch.int16)
+    for b, r in enumerate(routes):
+        out[b, : r.shape[0]] = torch.from_numpy(r)
+    return out
+
+
+def routing_mismatch(trainer_BLNK: torch.Tensor, generator_BLNK: torch.Tensor) -> dict[str, float]:
+    """How often the trainer's recompute routes a token elsewhere than the generator's forward did, over the
+    positions both computed: routing_mismatch, the fraction of tokens whose top-k expert set differs at any
+    MoE layer; routing_mismatch_layers, the fraction of (token, layer) pairs whose set differs."""
+    both_BLN = (trainer_BLNK >= 0).all(-1) & (generator_BLNK >= 0).all(-1)
+    differ_BLN = (trainer_BLNK.sort(dim=-1).values != generator_BLNK.sort(dim=-1).values).any(-1) & both_BLN
+    tokens_BL = both_BLN.all(-1)
+    n_tokens, n_pairs = tokens_BL.sum().item(), both_BLN.sum().item()
+    return {
+        "routing_mismatch": (differ_BLN.any(-1) & tokens_BL).sum().item() / max(n_tokens, 1),
+        "routing_mismatch_layers": differ_BLN.sum().item() / max(n_pairs, 1),
+        "routing_tokens": float(n_tokens),
+    }
+
+
 @dataclass
 class TrainBatch:
     """One rank's share of a step's rollouts, right-padded to a common length L (what the trainer trains on)."""
@@ -75,3 +100,6 @@ class TrainBatch:
     """float32 reference-model logprobs, needed when grpo.kl_coef > 0."""
     is_weights_BL: torch.Tensor | None = None
     """float32 off-policy weight of each scored token (grpo.loss.importance_weights); None: no correction."""
+    replay_routes_BLNK: torch.Tensor | None = None
+    """MoE under grpo.routing_replay: int16 [B, L, MoE layers, top-k] the generator's expert choices, which the
+    loss's forwards route by (-1: the trainer's router decides); None: the trainer routes itself."""

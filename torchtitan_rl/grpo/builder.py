@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.grpo.advantages import group_advantages
-from torchtitan_rl.grpo.batch import TrainBatch, logprob_mismatch, pack_rollouts, pack_versions
+from torchtitan_rl.grpo.batch import (
+    TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, pack_versions, routing_mismatch,
+)
 from torchtitan_rl.grpo.groups import Groups, fill_with_signal, rollout_metrics, score_groups
 from torchtitan_rl.grpo.loss import importance_weights
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
@@ -30,8 +32,14 @@ class Scorer(Protocol):
     dp_size: int
 
     def token_logprobs(
-        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None
+        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None,
+        replay_BLNK: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+    def token_logprobs_and_routes(
+        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None,
+        replay_BLNK: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 @dataclass
@@ -50,6 +58,9 @@ class StepBatch:
     """|trainer - generator| logprob over all ranks' tokens (NaN under truncated sampling)."""
     importance: dict[str, float]
     """Statistics of the off-policy ratio pi_old / mu over all ranks' tokens."""
+    routing: dict[str, float]
+    """MoE: how often the recompute routed tokens elsewhere than the generator (grpo/batch.py's
+    routing_mismatch, over all ranks' tokens); {} for a dense model or without the generator's choices."""
     recompute_s: float
     """Seconds of the trainer's (and the reference's) logprob recompute in ``build``."""
 
@@ -107,12 +118,19 @@ class BatchBuilder:
         rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
         started = time.perf_counter()
-        ref_lp_BL = None
-        if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch)
+        ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = None
+        if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch); dense only
             trainer_lp_BL, ref_lp_BL = self._by_group(batch, rows, mask_BL)
         else:
-            trainer_lp_BL = trainer.token_logprobs(tokens_BL, temperature=temperature, mask_BL=mask_BL).cpu()
+            gen_routes_BLNK = None if batch.routes is None else pack_routes(batch.routes, tokens_BL.shape[1])[rows]
+            replay_BLNK = gen_routes_BLNK if cfg.grpo.routing_replay else None
+            trainer_lp_BL, routes_BLNK = trainer.token_logprobs_and_routes(
+                tokens_BL, temperature=temperature, mask_BL=mask_BL, replay_BLNK=replay_BLNK)
+            trainer_lp_BL = trainer_lp_BL.cpu()
         recompute_s = time.perf_counter() - started
+        routing = {}
+        if routes_BLNK is not None and gen_routes_BLNK is not None:  # the trainer's choices vs the generator's
+            routing = self._reduce_counts(routing_mismatch(routes_BLNK, gen_routes_BLNK), count="routing_tokens")
         mismatch = self._reduce(logprob_mismatch(trainer_lp_BL, gen_lp_BL, mask_BL), mask_BL)
         sampling = cfg.generator.sampling
         if sampling.top_p < 1 or sampling.top_k != -1:  # the generator's logprobs are the truncated distribution's
@@ -135,10 +153,22 @@ class BatchBuilder:
             recompute_s += time.perf_counter() - started
         return StepBatch(
             drawn=drawn,
-            train=TrainBatch(tokens_BL, mask_BL, trainer_lp_BL, advantages_B[rows], ref_lp_BL, is_weights_BL),
+            train=TrainBatch(tokens_BL, mask_BL, trainer_lp_BL, advantages_B[rows], ref_lp_BL, is_weights_BL,
+                             replay_routes_BLNK=replay_BLNK),
             rollout_stats=rollout_stats, sampling_stats=sampling_stats, mismatch=mismatch, importance=is_stats,
-            recompute_s=recompute_s,
+            routing=routing, recompute_s=recompute_s,
         )
+
+    def _reduce_counts(self, local: dict[str, float], *, count: str) -> dict[str, float]:
+        """Fractions over this rank's ``local[count]`` items -> the same fractions over all ranks' items."""
+        if dist.get_world_size() == 1:
+            return local
+        n = local[count]
+        sums = torch.tensor([local[k] * n if k != count else n for k in local], dtype=torch.float64,
+                            device=self.device)
+        dist.all_reduce(sums)
+        total = max(sums[list(local).index(count)].item(), 1.0)
+        return {k: (s if k == count else s / total) for k, s in zip(local, sums.tolist())}
 
     def prefetch(self, groups: list[tuple[int, object]]) -> None:
         """generator.stream_groups: pi_old (and the reference's logprobs) of groups that finished while the step's

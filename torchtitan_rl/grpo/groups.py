@@ -40,6 +40,8 @@ class Groups:
     """bool: the completion was cut at the length limit (no eos)."""
     correct_B: Tensor
     """bool: the task calls the completion correct (Task.correct): what DAPO's filter reads."""
+    routes: list | None = None
+    """MoE: the generator's expert choices of each completion (engine/rollouts.py); None: not handed over."""
     versions: list[list[int]] | None = None
     """The weight version of each completion token (Rollouts.versions); None: the batch's one version."""
 
@@ -66,6 +68,7 @@ class Groups:
             rewards_B=self.rewards_B[rows],
             truncated_B=self.truncated_B[rows],
             correct_B=self.correct_B[rows],
+            routes=None if self.routes is None else [self.routes[r] for r in rows],
             versions=None if self.versions is None else [self.versions[r] for r in rows],
         )
 
@@ -85,6 +88,7 @@ class Groups:
             rewards_B=torch.cat([p.rewards_B for p in parts]),
             truncated_B=torch.cat([p.truncated_B for p in parts]),
             correct_B=torch.cat([p.correct_B for p in parts]),
+            routes=None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes],
             versions=_joined_versions(parts),
         )
 
@@ -149,7 +153,8 @@ def score_groups(
     return Groups(
         group_size=G, prompts=list(prompts), prompt_ids=rollouts.prompt_ids, completion_ids=completions,
         logprobs=rollouts.logprobs, loss_mask=rollouts.loss_mask, task_rewards_B=task_rewards_B,
-        rewards_B=rewards_B, truncated_B=truncated_B, correct_B=correct_B, versions=rollouts.versions,
+        rewards_B=rewards_B, truncated_B=truncated_B, correct_B=correct_B, routes=rollouts.routes,
+        versions=rollouts.versions,
     )
 
 

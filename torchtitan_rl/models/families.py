@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_rl.models import llama, qwen3
-from torchtitan_rl.models.shape import Family, ModelShape, titan_config
+from torchtitan_rl.models import llama, qwen3, qwen3_moe
+from torchtitan_rl.models.shape import LOAD_BALANCE_KEY, MOE_FIELDS, Family, ModelShape, titan_config
 
-FAMILIES: tuple[Family, ...] = (qwen3.QWEN3, llama.LLAMA)
+FAMILIES: tuple[Family, ...] = (qwen3.QWEN3, llama.LLAMA, qwen3_moe.QWEN3_MOE)
 
-FLAVORS: dict[str, ModelShape] = {**qwen3.FLAVORS, **llama.FLAVORS}
+FLAVORS: dict[str, ModelShape] = {**qwen3.FLAVORS, **llama.FLAVORS, **qwen3_moe.FLAVORS}
 """Named shapes for seeded random weights; a vocab_size of 0 takes the run's (the task tokenizer's)."""
 
 
@@ -46,6 +46,8 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
             supported = ", ".join(f.hf_architecture for f in FAMILIES)
             raise ValueError(f"{where}: architecture {archs} is not supported (supported: {supported})")
         family = found[0]
+    if family.moe and hf.get("num_experts") is None and hf.get("num_local_experts") is not None:
+        hf = {**hf, "num_experts": hf["num_local_experts"]}  # transformers 5's to_dict spelling
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     # transformers 4.x: rope_scaling (None: plain); 5.x: rope_parameters with rope_type "default" or another.
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -55,9 +57,14 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
     if hf.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act {hf['hidden_act']!r}")
     unsupported += [f"{key} true" for key in ("attention_bias", "mlp_bias", "use_sliding_window") if hf.get(key)]
+    if family.moe and hf.get("decoder_sparse_step", 1) != 1:
+        unsupported.append(f"decoder_sparse_step {hf['decoder_sparse_step']} (every layer must be MoE)")
+    if family.moe and hf.get("mlp_only_layers"):
+        unsupported.append(f"mlp_only_layers {hf['mlp_only_layers']}")
     if unsupported:
         raise ValueError(f"{where}: not supported by this decoder: {', '.join(unsupported)}")
-    optional = {"family", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "rope_scaling"}
+    optional = {"family", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings", "rope_scaling",
+                "load_balance_coeff", "norm_topk_prob", *(() if family.moe else MOE_FIELDS)}
     names = {f.name for f in dataclasses.fields(ModelShape)} - optional
     missing = sorted(n for n in names if hf.get(n) is None)
     if missing:
@@ -73,11 +80,26 @@ def shape_from_hf_config(hf: dict, *, family: Family | None = None, where: str) 
         rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta") or family.rope_theta),
         rms_norm_eps=float(hf.get("rms_norm_eps") or family.rms_norm_eps),
         rope_scaling=None if scaling is None else {k: scaling[k] for k in LLAMA3_SCALING},
+        **({"norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "load_balance_coeff": float(hf.get(LOAD_BALANCE_KEY, 0.0))} if family.moe else {}),
     )
 
 
-def resolve_shape(*, flavor: str, hf_checkpoint: str | None, vocab_size: int, max_seq_len: int) -> ModelShape:
-    """The model shape a run uses: the HF checkpoint's if given, else the flavor's."""
+def resolve_shape(
+    *, flavor: str, hf_checkpoint: str | None, vocab_size: int, max_seq_len: int, load_balance_coeff: float = 0.0
+) -> ModelShape:
+    """The model shape a run uses: the HF checkpoint's if given, else the flavor's; an MoE shape takes
+    ``load_balance_coeff`` (model.moe_load_balance_coeff)."""
+    shape = _resolve_shape(flavor=flavor, hf_checkpoint=hf_checkpoint, vocab_size=vocab_size, max_seq_len=max_seq_len)
+    if shape.moe:
+        shape = dataclasses.replace(shape, load_balance_coeff=load_balance_coeff)
+    elif load_balance_coeff:
+        raise ValueError(f"model.moe_load_balance_coeff: {load_balance_coeff} needs an MoE model "
+                         f"({shape.family.hf_architecture} has no experts); set it to 0")
+    return shape
+
+
+def _resolve_shape(*, flavor: str, hf_checkpoint: str | None, vocab_size: int, max_seq_len: int) -> ModelShape:
     if hf_checkpoint is not None:
         config_path = Path(hf_checkpoint) / "config.json"
         if not config_path.is_file():

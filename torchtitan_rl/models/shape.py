@@ -18,7 +18,9 @@ import torch
 import torchtitan_rl.compat  # noqa: F401  (must run before torchtitan is imported)
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 from torchtitan.models.common.attention import ScaledDotProductAttention
-from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+from torchtitan.models.common.config_utils import (
+    make_ffn_config, make_gqa_config, make_moe_config, make_routed_experts_config,
+)
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import Qwen3Model
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock
@@ -27,7 +29,11 @@ from torchtitan.models.qwen3 import (  # private init tables: pinned torchtitan=
     _EMBEDDING_SKIP_INIT,
     _LINEAR_INIT,
     _NORM_INIT,
+    _moe_experts_init,
+    _residual_output_init,
 )
+
+from torchtitan_rl.models.moe import Router
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -50,6 +56,15 @@ class Family:
     """Further config.json fields transformers' class reads (all the decoder's fixed choices)."""
     state_dict_adapter: type
     """torchtitan StateDictAdapter class mapping HF tensor names to ours and back."""
+    moe: bool = False
+    """Every decoder layer's MLP is a mixture of experts (ModelShape's num_experts and its siblings)."""
+
+
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+"""ModelShape's MoE fields (HF Qwen3MoeConfig names)."""
+
+LOAD_BALANCE_KEY = "torchtitan_rl_load_balance_coeff"
+"""config.json key of ModelShape.load_balance_coeff (ours: the generator's model needs the routing bias too)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +84,22 @@ class ModelShape:
     rope_scaling: dict | None = None
     """Llama 3.1's RoPE frequency scaling: factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings (HF's rope_type "llama3"); None: plain RoPE."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model (every layer a SwiGLU MLP of intermediate_size)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Hidden size of one expert's SwiGLU MLP."""
+    norm_topk_prob: bool = True
+    """The top-k gate weights are renormalised to sum to 1 (torchtitan's route_norm)."""
+    load_balance_coeff: float = 0.0
+    """torchtitan's auxiliary-loss-free load balancing step (model.moe_load_balance_coeff): > 0 gives each MoE
+    layer a routing bias the trainer updates and the sync carries. Not an HF field (config.json keeps it
+    under LOAD_BALANCE_KEY for the generator)."""
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def qk_norm(self) -> bool:
@@ -77,6 +108,12 @@ class ModelShape:
     def to_hf_config(self, *, dtype: str = "bfloat16") -> dict:
         """config.json of this shape, under the family's real HF architecture."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "family"}
+        del fields["load_balance_coeff"]
+        if not self.moe:  # a dense config.json stays as it was
+            for name in MOE_FIELDS:
+                del fields[name]
+        elif self.load_balance_coeff:
+            fields[LOAD_BALANCE_KEY] = self.load_balance_coeff
         if self.rope_scaling is None:
             del fields["rope_scaling"]
         else:  # HF's legacy spelling: transformers 5 turns it into rope_parameters, 4.x reads it as is
@@ -123,18 +160,14 @@ def titan_config(shape: ModelShape, *, inner_attention=None) -> Qwen3Model.Confi
                 n_kv_heads=shape.num_key_value_heads,
                 head_dim=shape.head_dim,
                 wqkv_param_init=_LINEAR_INIT,
-                wo_param_init=_LINEAR_INIT,
+                # torchtitan's MoE flavors scale the residual output projection's init (Megatron's).
+                wo_param_init=_residual_output_init(shape.num_hidden_layers) if shape.moe else _LINEAR_INIT,
                 inner_attention=inner_attention,
                 fuse_qkv=True,
                 rope=rope,
                 qk_norm=norm(shape.head_dim) if shape.qk_norm else None,
             ),
-            feed_forward=make_ffn_config(
-                dim=shape.hidden_size,
-                hidden_dim=shape.intermediate_size,
-                w1_param_init=_LINEAR_INIT,
-                w2w3_param_init=_LINEAR_INIT,
-            ),
+            **_mlp(shape),
         )
         for _ in range(shape.num_hidden_layers)
     ]
@@ -152,6 +185,34 @@ def titan_config(shape: ModelShape, *, inner_attention=None) -> Qwen3Model.Confi
         lm_head=Linear.Config(in_features=shape.hidden_size, out_features=shape.vocab_size, param_init=_LINEAR_INIT),
         layers=layers,
     )
+
+
+def _mlp(shape: ModelShape) -> dict:
+    """A layer's MLP config: torchtitan's SwiGLU, or its Qwen3 MoE (as torchtitan's Qwen3 MoE flavors build it:
+    softmax router, no shared expert) with our recording router."""
+    if not shape.moe:
+        return {"feed_forward": make_ffn_config(
+            dim=shape.hidden_size, hidden_dim=shape.intermediate_size,
+            w1_param_init=_LINEAR_INIT, w2w3_param_init=_LINEAR_INIT,
+        )}
+    router = Router.Config(
+        num_experts=shape.num_experts,
+        gate=Linear.Config(in_features=shape.hidden_size, out_features=shape.num_experts, bias=False,
+                           param_init=_LINEAR_INIT),
+        top_k=shape.num_experts_per_tok,
+        score_func="softmax",
+        route_norm=shape.norm_topk_prob,
+    )
+    return {"moe": make_moe_config(
+        num_experts=shape.num_experts,
+        router=router,
+        routed_experts=make_routed_experts_config(
+            dim=shape.hidden_size, hidden_dim=shape.moe_intermediate_size, num_experts=shape.num_experts,
+            top_k=shape.num_experts_per_tok, param_init=_moe_experts_init(shape.num_hidden_layers),
+            comm_backend="standard",
+        ),
+        load_balance_coeff=shape.load_balance_coeff or None,
+    )}
 
 
 class ScaledCosSinRoPE(CosSinRoPE):

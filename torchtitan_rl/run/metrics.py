@@ -26,6 +26,9 @@ class StepMetrics:
     """Trainer.train_step's: loss, kl, clipping, gradient norm, entropy, ..."""
     mismatch: dict[str, float]
     importance: dict[str, float]
+    routing: dict[str, float]
+    """MoE: routing_mismatch (the fraction of tokens whose top-k experts differ between the generator's forward
+    and the trainer's recompute), routing_mismatch_layers, routing_tokens; {} for a dense model."""
     partial: dict[str, float]
     """grpo.partial's carried and dropped samples; {} when off."""
     completion_tokens: float

@@ -43,11 +43,45 @@ def run_shape(cfg: JobConfig, task):
         hf_checkpoint=cfg.model.hf_checkpoint,
         vocab_size=cfg.model.vocab_size or (task.vocab_size if takes_task_vocab else 0),
         max_seq_len=cfg.model.max_seq_len,
+        load_balance_coeff=cfg.model.moe_load_balance_coeff,
     )
     check_vocabulary(
         task, spec=effective_task(cfg), model_vocab_size=shape.vocab_size, hf_checkpoint=cfg.model.hf_checkpoint
     )
+    check_moe(cfg, shape)
     return shape
+
+
+def check_moe(cfg: JobConfig, shape) -> None:
+    """What an MoE model (or a dense one) refuses of the config, in one line naming the field."""
+    if not shape.moe:
+        if cfg.grpo.routing_replay:
+            raise ValueError(f"grpo.routing_replay: {shape.family.hf_architecture} has no experts to route; "
+                             "set it false")
+        return
+    if cfg.batch_invariant_mode:
+        raise ValueError("batch_invariant_mode: not for MoE models: vLLM's fused-MoE kernels sum each token's "
+                         "experts in an order that depends on the batch, and there is no batch-invariant "
+                         "kernel of them to run on both sides; set it false")
+    if cfg.grpo.routing_replay and cfg.weight_sync.transport != "inplace":
+        raise ValueError(f"grpo.routing_replay: needs the generator's expert choices, which only a colocated "
+                         f"engine hands over (weight_sync.transport 'inplace', got '{cfg.weight_sync.transport}')")
+    if cfg.grpo.partial.enable:
+        raise ValueError("grpo.partial.enable: a cut sample's expert choices would span the generates that sampled "
+                         "it, which the route log does not join (routing_mismatch, grpo.routing_replay); set it "
+                         "false for an MoE model")
+    if cfg.generator.stream_groups:
+        raise ValueError("generator.stream_groups: a streamed group is recomputed before its expert choices are "
+                         "filed (routing_mismatch, grpo.routing_replay); set it false for an MoE model")
+    lora = cfg.model.lora
+    if lora.rank and not {"wqkv", "wo"} & set(lora.target_modules):
+        raise ValueError(f"model.lora.target_modules: {list(lora.target_modules)} are the dense MLP's linears, which "
+                         "an MoE model has none of (its experts are stacked tensors, frozen under LoRA); target "
+                         "attention's 'wqkv' / 'wo'")
+    if shape.load_balance_coeff and (cfg.job.export or cfg.job.export_dir):
+        raise ValueError("model.moe_load_balance_coeff: > 0 gives every MoE layer a routing bias that HF "
+                         "Qwen3MoeForCausalLM has no place for, so job.export / job.export_dir would write another "
+                         "model; set it 0 or export nothing")
 
 
 def run_device(name: str):

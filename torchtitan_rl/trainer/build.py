@@ -44,8 +44,9 @@ def build_parallel_model(
     # weights), then parallelize keeps each rank's shard: init is world-size free.
     # HF weights overwrite every parameter, so the model may start on the meta device and each
     # rank read only its shard (not with LoRA, whose adapters are drawn on the whole model).
+    # Not for MoE: its HF experts are one tensor each, stacked per layer (a whole-model load does that).
     sharded_hf_load = (sharded_hf_load and model_config.hf_checkpoint is not None
-                       and not model_config.lora.rank and not batch_invariant)
+                       and not model_config.lora.rank and not batch_invariant and not shape.moe)
     model = build_model(shape, seed=seed, device=torch.device("meta") if sharded_hf_load else device,
                         parallelism=titan_parallelism)
     if model_config.hf_checkpoint is not None and not sharded_hf_load:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtitan_rl.disk import free_space, refused, write_error
+from torchtitan_rl.models.moe import ROUTING_BIAS
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 MANIFEST = "manifest.json"
@@ -121,8 +122,10 @@ def _fsync_dir(path: Path) -> None:
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # The live parameters by their own names (fused wqkv, sharded DTensors):
-    # model.state_dict() would split wqkv and gather it to every rank.
-    return {name: p.detach() for name, p in model.named_parameters()}
+    # model.state_dict() would split wqkv and gather it to every rank. MoE load balancing's routing biases
+    # are buffers the optimizer's pre-hook trains: kept too (other buffers are derived, e.g. RoPE's caches).
+    return {**{name: p.detach() for name, p in model.named_parameters()},
+            **{name: b for name, b in model.named_buffers() if name.endswith(ROUTING_BIAS)}}
 
 
 def save(

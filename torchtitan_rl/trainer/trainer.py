@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torchtitan.components.optimizer import register_moe_load_balancing_hook
 
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
@@ -29,6 +30,7 @@ from torchtitan_rl.grpo.batch import TrainBatch
 from torchtitan_rl.grpo.loss import grpo_loss
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.kernels.batch_invariant import sampler_token_logprobs
+from torchtitan_rl.models.moe import recorded, routers, routing, synced_state
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.trainer.build import build_parallel_model
 from torchtitan_rl.trainer.logprobs import (
@@ -114,7 +116,12 @@ class Trainer:
         # debugmodel size. These are FSDP's sharded fp32 parameters, which the
         # optimizer and checkpoint loads update in place; while FSDP holds a
         # group unsharded, the module shows bf16 copies instead, never these.
-        self._sync_state = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        self._sync_state = synced_state(self.model)
+        self._routers = routers(self.model)
+        """The MoE layers' routers in layer order (none for a dense model): routing replay and recording."""
+        if shape.load_balance_coeff:
+            # torchtitan's expert-bias update runs as a pre-hook of every optimizer step, as in its trainer.
+            register_moe_load_balancing_hook(self.optimizer, [self.model], self.parallel_dims)
 
     # ------------------------------------------------------------------ weights
 
@@ -125,28 +132,48 @@ class Trainer:
     # ----------------------------------------------------------------- logprobs
 
     def token_logprobs(
-        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None
+        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None,
+        replay_BLNK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """float32 [B, L]: log p(tokens_BL[:, t] | tokens_BL[:, :t]) at temperature; column 0 is 0.
 
         mask_BL: positions whose logprob is wanted (the loss mask); the others
         are 0 and cost nothing (padding past a row's last one is not computed).
-        None: every position of every row.
+        None: every position of every row. replay_BLNK (MoE): the experts each
+        position is routed to at each MoE layer (-1: the trainer's router decides).
         """
+        return self.token_logprobs_and_routes(tokens_BL, temperature=temperature, mask_BL=mask_BL,
+                                              replay_BLNK=replay_BLNK)[0]
+
+    def token_logprobs_and_routes(
+        self, tokens_BL: torch.Tensor, *, temperature: float, mask_BL: torch.Tensor | None = None,
+        replay_BLNK: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """token_logprobs, and (MoE) int16 [B, L, MoE layers, top-k] the experts the trainer's own routers chose
+        at every position it computed (-1 past a row's last scored one); None for a dense model."""
         _check_temperature(temperature)
         score_BL = score_positions(tokens_BL, mask_BL)
         tokens_BL = tokens_BL.to(self.device)
         out_BL = torch.zeros(tokens_BL.shape, dtype=torch.float32, device=self.device)
+        routes_BLNK = None
+        if self._routers:
+            K = self._routers[0].top_k
+            routes_BLNK = torch.full((*tokens_BL.shape, len(self._routers), K), -1, dtype=torch.int16)
         with torch.no_grad(), deterministic_algorithms(), _eval_mode(self.model):
             budget = self.config.recompute_micro_batch_tokens or self.config.micro_batch_tokens
             for mb in self._micro_batches(score_BL, max_tokens=budget):
                 if mb is None:
-                    self._logprobs(_dummy_tokens(tokens_BL), temperature, None)
+                    with routing(self._routers):
+                        self._logprobs(_dummy_tokens(tokens_BL), temperature, None)
                     continue
                 rows, cols = mb.rows.to(self.device), slice(0, mb.length)
-                out_BL[rows, cols] = self._logprobs(tokens_BL[rows, cols], temperature, score_BL[mb.rows, cols])
+                replay = None if replay_BLNK is None else replay_BLNK[mb.rows, cols]
+                with routing(self._routers, replay_BLNK=replay, record=routes_BLNK is not None):
+                    out_BL[rows, cols] = self._logprobs(tokens_BL[rows, cols], temperature, score_BL[mb.rows, cols])
+                    if routes_BLNK is not None:
+                        routes_BLNK[mb.rows, cols] = recorded(self._routers).cpu().to(torch.int16)
         self._reshard()
-        return out_BL
+        return out_BL, routes_BLNK
 
     def _reshard(self) -> None:
         """Register the fp32 shards again after no-grad forwards.
@@ -256,6 +283,7 @@ class Trainer:
         ref_BL = batch.ref_logprobs_BL
         ref_BL = ref_BL.to(self.device) if ref_BL is not None else None
         is_BL = batch.is_weights_BL.to(self.device) if batch.is_weights_BL is not None else None
+        replay_BLNK = batch.replay_routes_BLNK  # stays on the host: sliced per micro-batch
         assert not mask_BL[:, 0].any(), "loss_mask_BL[:, 0] must be 0: position 0 has no logprob"
         if self._dp_sum(mask_BL.sum(dtype=torch.float64).reshape(1)).item() == 0:
             raise ValueError("train_step: the batch has no scored tokens (loss_mask_BL is all 0)")
@@ -273,6 +301,7 @@ class Trainer:
                     mb_sums, mb_ratio_max, grad_norm = self._optimizer_step(
                         take(tokens_BL), take(mask_BL), take(old_BL), take(adv_B), take(ref_BL), take(is_BL),
                         mask_cpu_BL=take(mask_cpu_BL), temperature=temperature, grpo=grpo, max_tokens=max_tokens,
+                        replay_BLNK=take(replay_BLNK),
                     )
                     if grad_norm is None:  # no scored token on any rank: no step
                         continue
@@ -297,7 +326,7 @@ class Trainer:
 
     def _optimizer_step(
         self, tokens_BL, mask_BL, old_BL, adv_B, ref_BL, is_BL, *, mask_cpu_BL: torch.Tensor, temperature: float,
-        grpo: GRPOConfig, max_tokens: int,
+        grpo: GRPOConfig, max_tokens: int, replay_BLNK: torch.Tensor | None = None,
     ) -> tuple[dict[str, float], float, float | None]:
         """Accumulate the gradient of one mini-batch over all ranks and step the optimizer once.
 
@@ -318,7 +347,7 @@ class Trainer:
         totals, ratio_max = self._accumulate_gradients(
             tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
             mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
-            num_sequences=num_sequences, max_tokens=max_tokens,
+            num_sequences=num_sequences, max_tokens=max_tokens, replay_BLNK=replay_BLNK,
         )
         grad_norm = self._clip_grad_norm()
         self.optimizer.step()
@@ -343,6 +372,7 @@ class Trainer:
         is_BL: torch.Tensor | None = None,
         num_sequences: int | None = None,
         max_tokens: int = 0,
+        replay_BLNK: torch.Tensor | None = None,
     ) -> tuple[list[float], float]:
         """Forward/backward per micro-batch; returns this rank's metric sums and its largest ratio.
 
@@ -357,28 +387,31 @@ class Trainer:
                 (self._logprobs(_dummy_tokens(tokens_BL), temperature, None).sum() * 0.0).backward()
                 continue
             rows, cols = mb.rows.to(self.device), slice(0, mb.length)
-            logprobs_BL, entropy_BL = self._logprobs(
-                tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
-            )
-            loss, m = grpo_loss(
-                logprobs_BL,
-                old_BL[rows, cols],
-                adv_B[rows],
-                mask_BL[rows, cols],
-                clip_eps_low=grpo.clip_eps_low,
-                clip_eps_high=grpo.clip_eps_high,
-                ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
-                kl_coef=grpo.kl_coef,
-                num_tokens=num_tokens,
-                is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
-                aggregation=grpo.loss_aggregation,
-                num_sequences=num_sequences,
-                max_tokens=max_tokens or None,
-                ratio_level=grpo.ratio_level,
-                entropy_BT=entropy_BL,
-                entropy_coef=grpo.entropy_coef,
-            )
-            loss.backward()
+            replay = None if replay_BLNK is None else replay_BLNK[mb.rows, cols]
+            # Activation checkpointing recomputes inside backward: the replayed routes stay set through it.
+            with routing(self._routers, replay_BLNK=replay):
+                logprobs_BL, entropy_BL = self._logprobs(
+                    tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
+                )
+                loss, m = grpo_loss(
+                    logprobs_BL,
+                    old_BL[rows, cols],
+                    adv_B[rows],
+                    mask_BL[rows, cols],
+                    clip_eps_low=grpo.clip_eps_low,
+                    clip_eps_high=grpo.clip_eps_high,
+                    ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
+                    kl_coef=grpo.kl_coef,
+                    num_tokens=num_tokens,
+                    is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
+                    aggregation=grpo.loss_aggregation,
+                    num_sequences=num_sequences,
+                    max_tokens=max_tokens or None,
+                    ratio_level=grpo.ratio_level,
+                    entropy_BT=entropy_BL,
+                    entropy_coef=grpo.entropy_coef,
+                )
+                loss.backward()
             n = m["tokens"]
             sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS))
             totals = [t + v for t, v in zip(totals, sums)]

@@ -1,0 +1,61 @@
+"""docs/benchmarks.md "Mixture of experts" from scripts/gpu/moe.sh's rows (metrics.jsonl, refusals)."""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+ROWS = {"small": "debugmodel_moe, 1 GPU", "small_r3": "debugmodel_moe, 1 GPU, routing replay",
+        "a3b_1gpu": "Qwen3-30B-A3B shape, 1 GPU (offload, engine asleep)",
+        "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)"}
+HEADING = "## Mixture of experts"
+
+
+def metrics(run: Path) -> list[dict]:
+    files = sorted(run.glob("**/metrics.jsonl"))
+    if not files:
+        return []
+    return [r for r in map(json.loads, files[-1].read_text().splitlines()) if "routing_mismatch" in r]
+
+
+def table(res: Path, device: str) -> str:
+    lines = [HEADING, "", f"scripts/gpu/moe.sh on {device}; steps after the first (medians), raw files in "
+             "scripts/gpu/results/moe/.", "",
+             "| row | steps | step s | train s | sync s | routing mismatch | reward first -> last | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, what in ROWS.items():
+        refused = res / f"{name}.refused"
+        recs = metrics(res / name)
+        if not recs:
+            why = refused.read_text().strip().splitlines()[-1] if refused.is_file() else "not run"
+            lines.append(f"| {what} | 0 | | | | | | {why[:160]} |")
+            continue
+        later = recs[1:] or recs
+        med = lambda key: statistics.median(r[key] for r in later)  # noqa: E731
+        lines.append(f"| {what} | {len(recs)} | {med('step_s'):.2f} | {med('train_s'):.2f} | {med('sync_s'):.3f} | "
+                     f"{med('routing_mismatch'):.4f} | {recs[0]['reward_mean']:.3f} -> {recs[-1]['reward_mean']:.3f} | "
+                     f"{'refused later' if refused.is_file() else 'ok'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(doc: Path, section: str) -> None:
+    text = doc.read_text()
+    if HEADING in text:
+        start = text.index(HEADING)
+        end = text.find("\n## ", start + len(HEADING))
+        text = text[:start] + section + (text[end + 1:] if end != -1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("results", type=Path)
+    p.add_argument("--device", default="?")
+    p.add_argument("--write", type=Path)
+    a = p.parse_args()
+    section = table(a.results, a.device)
+    print(section)
+    if a.write:
+        write(a.write, section)
