@@ -104,9 +104,10 @@ def test_the_sender_waits_for_every_replica_answer():
 def test_the_weight_group_times_out_after_weight_sync_peer_timeout_s_not_1800_s(tmp_path):
     """A stalled peer (alive, silent) in the weight group: the other side gives up after the timeout passed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(Path(__file__).with_name("stalled_peer_worker.py")), "2"]
+           str(Path(__file__).with_name("stalled_peer_worker.py")), "6"]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     waited = float(proc.stdout.split("gave up after ")[1].split(" s")[0])
-    assert 1.5 <= waited < 30, proc.stdout  # 2 s, not the 1800 s default
+    # 6 s, not the 1800 s default; the group's connect shares that timeout, and 2 s timed out on a loaded CI box.
+    assert 5.5 <= waited < 60, proc.stdout
