@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, free_port
-from torchtitan_rl.distributed.threads import host_gpu_count, host_threads, usable_cpus
+from torchtitan_rl.distributed.threads import host_threads, usable_cpus
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 
 
@@ -92,23 +92,3 @@ def test_a_user_setting_is_kept(tmp_path):
     assert run(2, OMP_NUM_THREADS="1") == ["2", "2", "2"]
     untouched = run(-1)  # torch's own default, no variable set
     assert untouched[0] == "None" and untouched[2] == "None", untouched
-
-
-def test_on_a_gpu_the_share_is_not_exported(tmp_path):
-    """On a GPU the share sets torch's threads but not OMP_NUM_THREADS, which would keep vLLM's engine from serving on
-    one thread (distributed/threads.py); a count set by hand is exported."""
-    code = ("import os, torch; from torchtitan_rl.distributed.threads import set_host_threads; "
-            "print(set_host_threads(int(os.environ['SETTING']), device_type='cuda'), torch.get_num_threads(), "
-            "os.environ.get('OMP_NUM_THREADS'))")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO)
-
-    def run(setting: int) -> list[str]:
-        proc = subprocess.run([sys.executable, "-c", code], env={**env, "SETTING": str(setting)},
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout.split()
-
-    share = str(max(1, usable_cpus() // max(1, host_gpu_count())))
-    assert run(0) == [share, share, "None"]
-    assert run(2) == ["2", "2", "2"]

@@ -5,11 +5,6 @@ compile workers likewise: two ranks, or two one-GPU runs, on one host then each 
 same cores. Here each process gets the cores it may use (its affinity and its cgroup's quota) divided by the
 processes sharing them: torchrun's local ranks, or on a GPU host its GPUs (one process per GPU), whichever is
 more. An OMP_NUM_THREADS in the environment (the user's, or torchrun's 1 for several local ranks) is kept.
-
-On a GPU the share (job.host_threads 0) is not exported as OMP_NUM_THREADS: vLLM's GPU worker (vllm#49919: 0.32
-has it, 0.26 not checked) then sets the engine's process to one torch thread for serving, because any
-multi-threaded CPU op in its step loop leaves OpenMP workers spinning after each parallel region, taking cycles
-from the loop's serial code and the container's CPU quota (docs/design.md, "Why the code looks this way").
 """
 
 import os
@@ -59,15 +54,15 @@ def host_gpu_count() -> int:
 
 
 def set_host_threads(setting: int, *, device_type: str) -> int | None:
-    """Apply ``host_threads`` to this process: torch's intra-op threads, OMP_NUM_THREADS off a GPU (child processes
-    read it; on a GPU it is left alone so that vLLM serves on one thread, as above) and inductor's compile workers
-    (unless TORCHINDUCTOR_COMPILE_THREADS is set). Returns the count (None: defaults kept)."""
+    """Apply ``host_threads`` to this process: torch's intra-op threads, OMP_NUM_THREADS (vLLM then keeps torch's
+    threads at it instead of its serving default of one, and child processes such as inductor's compile workers
+    read it) and inductor's compile workers (unless TORCHINDUCTOR_COMPILE_THREADS is set). Returns the count (None:
+    defaults kept)."""
     n = host_threads(setting, cpus=usable_cpus(), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                      host_gpus=host_gpu_count() if device_type == "cuda" else 0, environ=os.environ)
     if n is None:
         return None
-    if device_type != "cuda" or setting > 0:  # a count the user set is exported, and vLLM keeps it
-        os.environ["OMP_NUM_THREADS"] = str(n)
+    os.environ["OMP_NUM_THREADS"] = str(n)
     compat.set_num_threads(n)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # a user's own setting is kept
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(n)
