@@ -79,13 +79,11 @@ class ModelConfig:
     max_seq_len: int = 512
     """Longest prompt + completion in tokens; sizes the RoPE cache of small flavors."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Low-rank adapters: train only these, the base stays frozen. On an MoE model they go on attention only (experts and routers have no linear of these names): experts and routers stay frozen."""
-    moe_load_balance_coeff: float = 0.0
-    """MoE models: torchtitan's load balancing (auxiliary-loss-free, arXiv 2408.15664: before each optimizer step every layer's routing bias moves by this much toward its under-used experts; torchtitan's default 1e-3). 0: off, the RL default: HF Qwen3MoeForCausalLM has no routing bias, so an export could not carry it, and the policy's routing changes only through its gradient."""
+    """Low-rank adapters: train only these, the base stays frozen."""
 
     def check(self, path: str) -> None:
         positive(self, path, "max_seq_len")
-        at_least(self, path, 0, "vocab_size", "moe_load_balance_coeff")
+        at_least(self, path, 0, "vocab_size")
         self.lora.check(f"{path}.lora")
 
 
@@ -364,8 +362,6 @@ class GRPOConfig:
     """soft_penalty: the penalty at max_tokens (DAPO: 1)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (the policy's token entropy, aggregated as the loss) subtracted from the loss; 0: entropy is only measured."""
-    routing_replay: bool = False
-    """MoE models: the trainer's recompute and loss route each token to the experts the generator chose for it (routing replay, "R3"; the gate weights still come from the trainer's router, so it learns); off: the trainer routes itself. Either way metrics.jsonl logs routing_mismatch, the fraction of tokens whose top-k experts differ between the two. Colocated generator only."""
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     """Partial rollouts: stop a generate before its slowest samples and continue them later (off by default)."""
 
