@@ -2,12 +2,18 @@
 
 import collections
 import os
+import signal
 from pathlib import Path
 
 # Before torch loads OpenMP: the suite's two workers share CI's two cores, and many tests start more processes
 # (torchrun ranks, a server) that inherit this. At one OpenMP thread each they take turns on the cores instead
 # of spinning on each other (docs/benchmarks.md, "Test suite"); a test that needs more threads sets them itself.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# A suite started as a shell's background job inherits SIGINT ignored, and so would the runs the Ctrl-C tests start
+# (run/startup.py keeps an ignored SIGINT ignored, as nohup asks): they get a terminal's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest
 
