@@ -104,6 +104,7 @@ def test_non_empty_target_is_refused(tiny_hf_checkpoint, tmp_path):
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_command_exports_a_saved_checkpoint(tiny_hf_checkpoint, tmp_path):
     """python -m torchtitan_rl.export --run-dir: the same folder as exporting the live trainer (bf16)."""
     from torchtitan_rl.run.parts import run_shape, run_task
@@ -336,6 +337,7 @@ def test_a_random_model_on_another_checkpoints_tokenizer_exports_its_own_shape(s
     assert (out / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_moe_export_loads_in_native_vllm_as_qwen3_moe(tmp_path):
     """A Qwen3 MoE export runs in vLLM's own Qwen3MoeForCausalLM (its fused-MoE layer) as in transformers."""
     shape = tiny_shape("tiny-moe")

@@ -105,6 +105,7 @@ def test_off_and_cpu_change_nothing():
     assert result.config is cfg
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_the_readme_table_is_what_auto_chooses():
     """README's "which layout for my model" rows for 1.7B/4B/8B on one and two 80 GB GPUs come from
     scripts/fit_table.py, which calls ``fit``."""

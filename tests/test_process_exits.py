@@ -159,6 +159,7 @@ def test_collective_timeout_comes_from_the_config(tmp_path):
     assert "trainer.collective_timeout_s" in lines[0] and "3000ms" in lines[0], lines[0]
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_a_user_error_on_every_rank_is_one_line_exit_2(tmp_path):
     """Every rank finds the same mistake (an export folder that is not empty): one line for the job, exit 2."""
     taken = tmp_path / "export"
@@ -187,6 +188,7 @@ def test_a_rank_other_than_0_says_its_line_on_a_line_of_its_own(tmp_path):
     assert proc.returncode == 2
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_torchrun_itself_adds_its_report_and_traceback(tmp_path):
     """Why the README launches with torchtitan_rl.launch: the same user error under torchrun ends in its
     ChildFailedError traceback (the ranks' line is there too, and the exit code is 1, not 2)."""

@@ -235,6 +235,7 @@ def _training_metrics(history: list[dict]) -> list[tuple]:
     return [(r["step"], r["reward_mean"], r["loss"], r["grad_norm"], r["mismatch_mean"], r["tokens"]) for r in history]
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_heldout_evaluation_does_not_change_the_training_samples(tmp_path, smollm2_dir):
     off = train(_chat_config(tmp_path / "off", smollm2_dir, steps=3))
     cfg = _chat_config(tmp_path / "on", smollm2_dir, steps=3)

@@ -173,6 +173,7 @@ def test_a_bad_set_file_is_one_error_naming_the_file_and_field(case, tokenizer, 
     assert str(err.value).startswith(expected) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_a_bad_set_stops_the_run_in_one_line_before_its_folder_exists(tmp_path, smollm2_dir):
     data = _write(tmp_path / "d.jsonl", [{"question": "What is 1 + 1?", "solution": "2"}])
     out = tmp_path / "out"

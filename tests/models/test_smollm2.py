@@ -49,6 +49,7 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.mark.bf16_numerics
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_smollm2_trainer_and_generator_agree_with_transformers(smollm2_dir, tmp_path):
     prompt, answered = chat(smollm2_dir)
 

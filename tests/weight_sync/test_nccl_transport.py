@@ -101,6 +101,7 @@ def test_the_sender_waits_for_every_replica_answer():
         answers(store, "ack/2", 2, timeout_s=0.5, what="answer to sync 2")
 
 
+@pytest.mark.slow  # a whole run or engine in its own process: 7-12 s, out of the quick loop
 def test_the_weight_group_times_out_after_weight_sync_peer_timeout_s_not_1800_s(tmp_path):
     """A stalled peer (alive, silent) in the weight group: the other side gives up after the timeout passed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
