@@ -9,8 +9,9 @@ import argparse
 from pathlib import Path
 
 from torchtitan_rl.config import load_toml
+from torchtitan_rl.config.checks import replace
 from torchtitan_rl.models.families import resolve_shape
-from torchtitan_rl.run.fit import fit, replace
+from torchtitan_rl.run.fit import fit
 from torchtitan_rl.run.memory import GIB
 
 REPO = Path(__file__).resolve().parents[1]

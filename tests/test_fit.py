@@ -11,7 +11,8 @@ import torch
 from tests.helpers import REPO
 from torchtitan_rl.config import load_toml
 from torchtitan_rl.models.families import resolve_shape
-from torchtitan_rl.run.fit import HEADROOM, fit, fit_this_rank, replace
+from torchtitan_rl.config.checks import replace
+from torchtitan_rl.run.fit import HEADROOM, fit, fit_this_rank
 from torchtitan_rl.run.memory import GIB, check_fits, estimate
 
 H100 = int(79.2 * GIB)

@@ -43,6 +43,14 @@ def get(cfg: Any, path: str) -> Any:
     return obj
 
 
+def replace(cfg: Any, path: str, value: Any) -> Any:
+    """``cfg`` with the field at dotted ``path`` set to ``value`` (new dataclasses on the way; ``cfg`` unchanged)."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: replace(getattr(cfg, head), rest, value)})
+
+
 def leaf_types(cls: type, prefix: str = "") -> dict[str, Any]:
     """Dotted field path -> type, for every non-dataclass field."""
     out = {}

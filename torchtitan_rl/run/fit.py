@@ -13,13 +13,13 @@ The order (README, "Which layout for my model and GPUs"), cheapest first:
 4. trainer.cpu_offload true: the trainer state goes to host memory and the optimizer steps on the CPU.
 """
 
-import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.config.checks import replace
 from torchtitan_rl.distributed.process_group import local_device
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.run.memory import GIB, MemoryEstimate, estimate, micro_batch_tokens, trainer_ranks
@@ -44,14 +44,6 @@ class Fit:
     """The estimate of ``config``."""
     line: str | None
     """What auto chose and why, one line; None when nothing changed."""
-
-
-def replace(cfg: JobConfig, path: str, value) -> JobConfig:
-    """``cfg`` with the field at dotted ``path`` set to ``value`` (new dataclasses on the way; ``cfg`` unchanged)."""
-    head, _, rest = path.partition(".")
-    if not rest:
-        return dataclasses.replace(cfg, **{head: value})
-    return dataclasses.replace(cfg, **{head: replace(getattr(cfg, head), rest, value)})
 
 
 def fit(cfg: JobConfig, shape: ModelShape, *, world_size: int, role: str, device_total: int) -> Fit:
