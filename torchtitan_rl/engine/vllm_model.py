@@ -352,15 +352,20 @@ def _build_moe(shape: ModelShape, *, max_tokens: int) -> tuple[nn.Module, RouteR
     """torchtitan's decoder with each layer's MoE swapped for the fused layer (engine/moe.py). Built on the meta
     device first, so torchtitan's own expert tensors (most of the model's memory) are never allocated."""
     device = torch.empty(0).device  # vLLM builds the model under its target device
-    with torch.device("meta"):
-        model = titan_config(shape).build()
-    model.to_empty(device=device)
-    if shape.tie_word_embeddings:  # to_empty gives each module its own tensor
-        model.lm_head.weight = model.tok_embeddings.weight
     recorder = RouteRecorder(max_tokens=max_tokens, layers=shape.num_hidden_layers, top_k=shape.num_experts_per_tok)
     recorder.ids_TNK = recorder.ids_TNK.to(device)
-    for i, layer in enumerate(model.layers.values()):
-        layer.moe = FusedMoE(titan_moe=layer.moe, shape=shape, layer=i, recorder=recorder)
+    # The swap happens on meta too: allocating torchtitan's experts first, even briefly, doubles the load's peak
+    # and, freed inside vLLM's sleep-mode memory pool, makes vLLM's profile size the KV cache too large.
+    with torch.device("meta"):
+        model = titan_config(shape).build()
+        for i, layer in enumerate(model.layers.values()):
+            layer.moe = FusedMoE(titan_moe=layer.moe, shape=shape, layer=i, recorder=recorder)
+    model.to_empty(device=device)
+    for layer in model.layers.values():
+        if layer.moe.expert_bias_E is not None:
+            layer.moe.expert_bias_E.zero_()
+    if shape.tie_word_embeddings:  # to_empty gives each module its own tensor
+        model.lm_head.weight = model.tok_embeddings.weight
     return model, recorder
 
 

@@ -131,17 +131,19 @@ class WeightSync:
         so only NaN (which it propagates, as clip_grad_norm_'s nonfinite check
         relies on) and inf make it non-finite; no second look is needed.
         """
-        device = _local(state[self.keys[0]]).device
+        # trainer.cpu_offload: parameters on the CPU, buffers on the accelerator; the flags go where gathers run.
+        device = self.gather_device or _local(state[self.keys[0]]).device
         parts = []
         if keys:
             norms = torch._foreach_norm([_local(state[k]) for k in keys], ord=float("inf"))
             if len({n.dtype for n in norms}) > 1:
                 norms = [n.float() for n in norms]
-            parts.append(~torch.isfinite(torch.stack(norms)))
+            parts.append(~torch.isfinite(torch.stack([n.to(device) for n in norms])))
         for key, primary in self.aliases.items():
             a, b = _local(state[key]), _local(state[primary])
             same_storage = a.data_ptr() == b.data_ptr()
-            parts.append(torch.zeros(1, dtype=torch.bool, device=device) if same_storage else (a != b).any().view(1))
+            differs = torch.zeros(1, dtype=torch.bool) if same_storage else (a != b).any().view(1)
+            parts.append(differs.to(device))
         if not parts:
             return torch.zeros(0, dtype=torch.uint8, device=device)
         return torch.cat(parts).to(torch.uint8)
