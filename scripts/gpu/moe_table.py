@@ -3,6 +3,7 @@
 import argparse
 import json
 import statistics
+import tomllib
 from pathlib import Path
 
 ROWS = {"small": "debugmodel_moe, 1 GPU", "small_r3": "debugmodel_moe, 1 GPU, routing replay",
@@ -18,22 +19,36 @@ def metrics(run: Path) -> list[dict]:
     return [r for r in map(json.loads, files[-1].read_text().splitlines()) if "routing_mismatch" in r]
 
 
+def engine(run: Path) -> str:
+    """'CUDA graphs' or 'eager', from the run's saved config."""
+    files = sorted(run.glob("**/config.toml"))
+    if not files:
+        return "?"
+    eager = tomllib.loads(files[-1].read_text()).get("generator", {}).get("enforce_eager", True)
+    return "eager" if eager else "CUDA graphs"
+
+
 def table(res: Path, device: str) -> str:
     lines = [HEADING, "", f"scripts/gpu/moe.sh on {device}; steps after the first (medians), raw files in "
              "scripts/gpu/results/moe/.", "",
-             "| row | steps | step s | train s | sync s | routing mismatch | reward first -> last | status |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Routing mismatch: the share of tokens whose top-k experts differ between the generator's forward and the "
+             "trainer's recompute in any layer, then per (token, layer).", "",
+             "| row | engine | steps | step s | generate s | train s | sync s | routing mismatch: tokens / layers "
+             "| reward first -> last | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, what in ROWS.items():
         refused = res / f"{name}.refused"
         recs = metrics(res / name)
         if not recs:
             why = refused.read_text().strip().splitlines()[-1] if refused.is_file() else "not run"
-            lines.append(f"| {what} | 0 | | | | | | {why[:160]} |")
+            lines.append(f"| {what} | | 0 | | | | | | | {why[:160]} |")
             continue
         later = recs[1:] or recs
         med = lambda key: statistics.median(r[key] for r in later)  # noqa: E731
-        lines.append(f"| {what} | {len(recs)} | {med('step_s'):.2f} | {med('train_s'):.2f} | {med('sync_s'):.3f} | "
-                     f"{med('routing_mismatch'):.4f} | {recs[0]['reward_mean']:.3f} -> {recs[-1]['reward_mean']:.3f} | "
+        lines.append(f"| {what} | {engine(res / name)} | {len(recs)} | {med('step_s'):.2f} | {med('generate_s'):.2f} | "
+                     f"{med('train_s'):.2f} | {med('sync_s'):.3f} | "
+                     f"{med('routing_mismatch'):.4f} / {med('routing_mismatch_layers'):.4f} | "
+                     f"{recs[0]['reward_mean']:.3f} -> {recs[-1]['reward_mean']:.3f} | "
                      f"{'refused later' if refused.is_file() else 'ok'} |")
     return "\n".join(lines) + "\n"
 
@@ -42,8 +57,9 @@ def write(doc: Path, section: str) -> None:
     text = doc.read_text()
     if HEADING in text:
         start = text.index(HEADING)
-        end = text.find("\n## ", start + len(HEADING))
-        text = text[:start] + section + (text[end + 1:] if end != -1 else "")
+        ends = [i for i in (text.find("\n## ", start + 1), text.find("\n<!-- ", start + 1)) if i != -1]
+        end = min(ends) if ends else -1  # the next section, whether it opens with a heading or a marker
+        text = text[:start] + section + ("\n" + text[end + 1:] if end != -1 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     doc.write_text(text)
