@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, free_port
-from torchtitan_rl.distributed.threads import host_threads, usable_cpus
+from torchtitan_rl.distributed.threads import TORCHRUN_OMP, host_threads, usable_cpus
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 
 
@@ -24,6 +24,8 @@ def test_the_cores_are_split_among_the_processes_sharing_them():
     assert host_threads(0, cpus=16, local_ranks=2, host_gpus=0, environ={"OMP_NUM_THREADS": "x"}) == 8
     assert host_threads(5, cpus=16, local_ranks=2, host_gpus=0, environ={"OMP_NUM_THREADS": "3"}) == 5  # the field's
     assert host_threads(-1, cpus=16, local_ranks=2, host_gpus=0, environ={}) is None  # defaults left alone
+    # torchrun's 1 under torchtitan_rl.launch (which marks it) is not the user's
+    assert host_threads(0, cpus=16, local_ranks=2, host_gpus=0, environ={"OMP_NUM_THREADS": "1", TORCHRUN_OMP: "1"}) == 8
 
 
 class RecordThreads(DigitsTask):
@@ -39,6 +41,7 @@ class RecordThreads(DigitsTask):
             Path(os.environ["THREADS_OUT"], f"rank{os.environ['RANK']}.json").write_text(json.dumps({
                 "torch": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
                 "inductor": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"),
+                "torchrun_omp": os.environ.get(TORCHRUN_OMP),
             }))
         return super().reward(prompt, completion_ids)
 
@@ -49,29 +52,26 @@ def record_threads() -> RecordThreads:
 
 @pytest.mark.slow  # two engines and two trainers on the machine's cores: ~40 s
 def test_each_rank_of_a_two_process_run_takes_half_the_cores(tmp_path):
-    """Two ranks started as a scheduler starts them (srun, mpirun: RANK, LOCAL_WORLD_SIZE, no OMP_NUM_THREADS):
-    left to torch, each would run a thread per core of the host; each takes half instead, vLLM's engine built in
-    the same process keeps it, and the run's compile workers are told the same."""
-    port, out = free_port(), tmp_path / "threads"
+    """Two ranks started by torchtitan_rl.launch with no OMP_NUM_THREADS: torchrun's agent gives each rank
+    OMP_NUM_THREADS=1 (a 30B run's CPU optimizer then ran on one core per rank); left to torch, each would run a
+    thread per core of the host. Each takes half instead, vLLM's engine built in the same process keeps it, and the
+    run's compile workers are told the same."""
+    out = tmp_path / "threads"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")}
-    env.update(PYTHONPATH=str(REPO), THREADS_OUT=str(out), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    cmd = [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(REPO / "run_configs" / "cpu_tiny.toml"),
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS", TORCHRUN_OMP)}
+    env.update(PYTHONPATH=str(REPO), THREADS_OUT=str(out))
+    cmd = [sys.executable, "-m", "torchtitan_rl.launch", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "torchtitan_rl.simple_grpo", "--config", str(REPO / "run_configs" / "cpu_tiny.toml"),
            "--job.output_dir", str(tmp_path / "run"), "--trainer.steps", "1", "--grpo.prompts_per_step", "4",
            "--grpo.task", "tests.test_host_threads:record_threads"]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     share = max(1, usable_cpus() // 2)
     for rank in range(2):
         got = json.loads((out / f"rank{rank}.json").read_text())
-        assert got == {"torch": share, "omp": str(share), "inductor": str(share)}, (rank, got)
+        # On a 2-core machine the share is torchrun's 1 too: the mark says the rank did not take it as the user's.
+        assert got == {"torch": share, "omp": str(share), "inductor": str(share), "torchrun_omp": "1"}, (rank, got)
 
 
 def test_a_user_setting_is_kept(tmp_path):

@@ -28,6 +28,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from torchtitan_rl.distributed.threads import TORCHRUN_OMP  # noqa: E402
 from torchtitan_rl.run.exits import NODE_DIR  # noqa: E402
 
 # The agent's store client logs each connection it loses (another machine's launcher ended) as a C++ warning with a
@@ -81,6 +82,8 @@ def _launch(argv: list[str] | None, node: Path) -> int:
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ[NODE_DIR] = str(node)  # the ranks inherit it: torchrun passes its environment on
+    if "OMP_NUM_THREADS" not in os.environ:  # the agent's 1 is not the user's: each rank takes its share
+        os.environ[TORCHRUN_OMP] = "1"
     try:
         run(args)
         return 0

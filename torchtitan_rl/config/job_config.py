@@ -36,7 +36,7 @@ class JobSection:
     fit: Literal["auto", "off"] = "auto"
     """auto: on a GPU, when the memory estimate (printed at start) exceeds 95% of the device, change, in this order, generator.sleep (weights), trainer.master_dtype (bfloat16), trainer.micro_batch_tokens and recompute_micro_batch_tokens (halved) and trainer.cpu_offload until it fits, and say so in one line (run/fit.py); a run that fits as written is unchanged. off: run the config as written (a run that cannot fit is still refused)."""
     host_threads: int = 0
-    """CPU threads of each process (torch intra-op, OpenMP, vLLM's, inductor's compile workers): 0: the cores this process may use divided by the processes sharing them (torchrun's local ranks, or on a GPU the host's GPUs), or OMP_NUM_THREADS when set; N: N; -1: leave torch's and vLLM's own defaults."""
+    """CPU threads of each process (torch intra-op, OpenMP, vLLM's, inductor's compile workers): 0: the cores this process may use divided by the processes sharing them (torchrun's local ranks, or on a GPU the host's GPUs), or OMP_NUM_THREADS when set (torchrun's 1 only under plain torchrun, not torchtitan_rl.launch); N: N; -1: leave torch's and vLLM's own defaults."""
 
     def check(self, path: str) -> None:
         at_least(self, path, -1, "host_threads")

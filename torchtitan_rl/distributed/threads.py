@@ -4,7 +4,9 @@ Left alone, torch sizes its intra-op pool (OpenMP) to every core of the host in 
 compile workers likewise: two ranks, or two one-GPU runs, on one host then each spin a thread per core on the
 same cores. Here each process gets the cores it may use (its affinity and its cgroup's quota) divided by the
 processes sharing them: torchrun's local ranks, or on a GPU host its GPUs (one process per GPU), whichever is
-more. An OMP_NUM_THREADS in the environment (the user's, or torchrun's 1 for several local ranks) is kept.
+more. An OMP_NUM_THREADS the user set is kept, torchrun's 1 for several local ranks too, unless torchtitan_rl.launch
+started the ranks: it says the 1 is torchrun's (``TORCHRUN_OMP``), and a rank then takes its share (a rank held
+to one thread runs the CPU optimizer of trainer.cpu_offload and the sync's checks of host-memory shards on one core).
 """
 
 import os
@@ -14,6 +16,10 @@ import torch
 
 from torchtitan_rl import compat
 
+TORCHRUN_OMP = "TORCHTITAN_RL_OMP_FROM_TORCHRUN"
+"""Set by torchtitan_rl.launch when OMP_NUM_THREADS was not set: torchrun's agent then sets it to 1 for several
+local ranks, which is not a user's choice."""
+
 
 def host_threads(setting: int, *, cpus: int, local_ranks: int, host_gpus: int,
                  environ: Mapping[str, str]) -> int | None:
@@ -22,8 +28,9 @@ def host_threads(setting: int, *, cpus: int, local_ranks: int, host_gpus: int,
         return None
     if setting > 0:
         return setting
-    if environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(environ["OMP_NUM_THREADS"]) > 0:
-        return int(environ["OMP_NUM_THREADS"])
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0 and not environ.get(TORCHRUN_OMP):
+        return int(omp)
     return max(1, cpus // max(1, local_ranks, host_gpus))
 
 
