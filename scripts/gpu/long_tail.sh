@@ -75,7 +75,7 @@ launch() {
       [ "$layout" = d ] && args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.85
                                   --generator.sleep off --grpo.max_staleness 1 --grpo.importance_correction truncate)
       port=$((port + 1))
-      CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torch.distributed.run --nproc-per-node 2 \
+      CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.launch --nproc-per-node 2 \
         --master-port "$port" -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" "${common[@]}" \
         --weight_sync.peer_timeout_s 500 "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     trainer|trainer16k)
