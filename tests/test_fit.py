@@ -142,3 +142,11 @@ def test_each_rank_estimates_what_its_device_holds(monkeypatch, transport, rank,
     est = fit_this_rank(cfg, shape, device=torch.device("cpu")).estimate
     assert est.role == role
     assert ("engine " in est.summary()) == (role != "trainer")
+
+
+def test_an_fp8_kv_cache_counts_twice_the_tokens_in_the_same_budget():
+    shape = resolve_shape(flavor="0.6B", hf_checkpoint=None, vocab_size=0, max_seq_len=1024)
+    auto, fp8 = (estimate(_config("0.6B", generator__kv_cache_dtype=d), shape, world_size=1, device_total=H100,
+                          role="colocated") for d in ("auto", "fp8"))
+    assert fp8.kv_bytes == auto.kv_bytes and fp8.kv_token_bytes * 2 == auto.kv_token_bytes
+    assert fp8.kv_tokens // 2 == auto.kv_tokens  # floor division of the same budget

@@ -14,7 +14,8 @@
 #          groups again as a step trains, tokens at most 2 versions old, per-token truncated importance weights;
 #          docs/benchmarks.md, "Partial rollouts on the CPU harness", says why these values), and on d rows also
 #          $LONG_TAIL_ON_D_ARGS (default: in-flight weight updates and streaming, own-rank layout only; the bound
-#          3 = 2 x grpo.max_staleness + 1)
+#          3 = 2 x grpo.max_staleness + 1) | fp8, onfp8: off, on with the KV cache in fp8 (generator.kv_cache_dtype:
+#          half the KV bytes a long-context decode step reads)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
@@ -64,8 +65,8 @@ launch() {
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=$size
-  [ "$mode" = on ] && args+=($ON_ARGS)
-  [ "$mode" = on ] && [ "$layout" = d ] && args+=($ON_D_ARGS)
+  case $mode in on|onfp8) args+=($ON_ARGS); [ "$layout" = d ] && args+=($ON_D_ARGS) ;; esac
+  case $mode in *fp8) args+=(--generator.kv_cache_dtype fp8) ;; esac
   local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
                 ${LONG_TAIL_ARGS:-})
   case $layout in

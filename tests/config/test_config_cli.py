@@ -117,6 +117,10 @@ def test_bad_cli_value_names_the_field(args, expected):
             "batch_invariant_mode: needs trainer.parallelism.tensor_parallel_degree and generator",
         ),
         (
+            ["--batch-invariant-mode", "--generator.kv_cache_dtype", "fp8"], 1,
+            "batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got 'fp8'",
+        ),
+        (
             ["--batch-invariant-mode", "--model.lora.rank", "4", "--model.lora.sync", "merged"], 1,
             "batch_invariant_mode: needs model.lora.sync 'adapter'",
         ),

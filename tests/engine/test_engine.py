@@ -8,7 +8,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.helpers import PROMPTS, assert_serves, make_generator, native_state, tiny_shape, trainer_model
+from tests.helpers import (
+    PROMPTS,
+    assert_serves,
+    logprob_check,
+    make_generator,
+    native_state,
+    tiny_shape,
+    trainer_model,
+)
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.engine.engine import WeightsNotSyncedError
 from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
@@ -138,3 +146,19 @@ def test_an_engine_built_after_its_process_group_was_destroyed_builds_its_own_gr
     WeightSync(WeightSyncConfig(), reference=native_state(model), generator=second).sync(native_state(model), version=1)
     assert_serves(second.generate(PROMPTS, n=1, seed=0), model)
     del first
+
+
+@pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+                    reason="vLLM's CPU backend keeps an fp8 KV cache only with AVX-512 or AMX")
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_serves_the_synced_weights(unsynced, tmp_path):
+    """generator.kv_cache_dtype fp8: the same memory holds twice the tokens; the synced weights are what it samples
+    from (closer to them than to other weights), with more than bf16's noise, as the keys and values are rounded."""
+    gen = make_generator(tmp_path, kv_cache_dtype="fp8", wait_for_weights_s=0.0)
+    assert gen.kv_cache_tokens == 2 * unsynced.kv_cache_tokens, (gen.kv_cache_tokens, unsynced.kv_cache_tokens)
+    model, other = trainer_model(seed=5), trainer_model(seed=6)
+    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=gen).sync(native_state(model), version=1)
+    rollouts = gen.generate(PROMPTS, n=4, seed=0)
+    check, miss = logprob_check(rollouts, model), logprob_check(rollouts, other).error
+    assert check.error < miss / 4, (check, miss)
+    attn = next(iter(gen.model.model.layers.values())).attention.inner_attention.attn
+    assert attn.kv_cache_dtype == "fp8" and attn.kv_cache[0].element_size() == 1  # what vLLM allocated

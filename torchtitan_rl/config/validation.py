@@ -243,6 +243,9 @@ def _check_batch_invariant(cfg: JobConfig) -> None:
         raise ValueError(
             f"batch_invariant_mode: needs generator.sampling.top_p 1 and top_k -1, got {s.top_p} and {s.top_k}"
         )
+    if cfg.generator.kv_cache_dtype != "auto":
+        raise ValueError(f"batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got "
+                         f"'{cfg.generator.kv_cache_dtype}' (the trainer attends over unrounded keys and values)")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         raise ValueError(
             "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
@@ -272,6 +275,9 @@ def check_serve(cfg: JobConfig) -> None:
             raise ValueError(f"{name}: the config file shows it redacted; pass it with --{name} or {env}")
     cfg.serve.check("serve")
     positive(cfg.weight_sync, "weight_sync", "peer_timeout_s")
+    if cfg.generator.kv_cache_dtype != "auto":
+        raise ValueError(f"batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got "
+                         f"'{cfg.generator.kv_cache_dtype}' (the trainer attends over unrounded keys and values)")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         raise ValueError("model.lora.sync: 'merged' is not supported by the rollout server; use 'adapter'")
     per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size
@@ -312,6 +318,9 @@ def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
             "torchtitan model is not sharded inside vLLM; more generator devices: "
             "generator.parallelism.data_parallel_replicate_degree)"
         )
+    if cfg.generator.kv_cache_dtype != "auto":
+        raise ValueError(f"batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got "
+                         f"'{cfg.generator.kv_cache_dtype}' (the trainer attends over unrounded keys and values)")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         # NcclSender moves the trainer's tensors as they are; merging W + BA is WeightSync's (in place) only.
         raise ValueError(

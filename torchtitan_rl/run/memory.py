@@ -188,7 +188,7 @@ class MemoryEstimate:
     """colocated (trainer and engine on each GPU: weight_sync.transport inplace), trainer (its engine on another
     rank, nccl, or in a rollout server, server) or generator (nccl)."""
     kv_token_bytes: int
-    """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes)."""
+    """KV-cache bytes of one token (layers x 2 x KV heads x head_dim x the compute dtype's bytes, 1 in fp8)."""
     max_model_len: int
     max_num_seqs: int
 
@@ -309,7 +309,8 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,
         engine_while_training=graphs if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
         device_total=device_total, role=role, max_model_len=cfg.generator.max_model_len,
-        kv_token_bytes=shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * compute,
+        kv_token_bytes=shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim
+        * (1 if cfg.generator.kv_cache_dtype == "fp8" else compute),
         max_num_seqs=cfg.generator.max_num_seqs,
     )
 
