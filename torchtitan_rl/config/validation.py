@@ -275,9 +275,6 @@ def check_serve(cfg: JobConfig) -> None:
             raise ValueError(f"{name}: the config file shows it redacted; pass it with --{name} or {env}")
     cfg.serve.check("serve")
     positive(cfg.weight_sync, "weight_sync", "peer_timeout_s")
-    if cfg.generator.kv_cache_dtype != "auto":
-        raise ValueError(f"batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got "
-                         f"'{cfg.generator.kv_cache_dtype}' (the trainer attends over unrounded keys and values)")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         raise ValueError("model.lora.sync: 'merged' is not supported by the rollout server; use 'adapter'")
     per_step = cfg.grpo.prompts_per_step * cfg.grpo.group_size
@@ -318,9 +315,6 @@ def _check_own_rank_generator(cfg: JobConfig, world_size: int) -> None:
             "torchtitan model is not sharded inside vLLM; more generator devices: "
             "generator.parallelism.data_parallel_replicate_degree)"
         )
-    if cfg.generator.kv_cache_dtype != "auto":
-        raise ValueError(f"batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got "
-                         f"'{cfg.generator.kv_cache_dtype}' (the trainer attends over unrounded keys and values)")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         # NcclSender moves the trainer's tensors as they are; merging W + BA is WeightSync's (in place) only.
         raise ValueError(
