@@ -28,7 +28,6 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from torchtitan_rl.distributed.threads import TORCHRUN_OMP  # noqa: E402
 from torchtitan_rl.run.exits import NODE_DIR  # noqa: E402
 
 # The agent's store client logs each connection it loses (another machine's launcher ended) as a C++ warning with a
@@ -48,6 +47,8 @@ from torch.distributed.run import parse_args, run  # noqa: E402
 
 if _QUIET_CPP:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+from torchtitan_rl.distributed.threads import TORCHRUN_OMP  # noqa: E402  (imports torch: after the level is read)
 
 SAID = "torchtitan_rl:"
 """How a rank's own line starts (run.exits.RankExits.end writes it into the rank's torchelastic error file too)."""
