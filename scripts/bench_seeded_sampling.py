@@ -7,6 +7,8 @@ because we handle each request one by one"); unseeded rows take one batched draw
 vLLM calls it, every row seeded against none, at the mission's batch (512 rows) and smaller ones, over Qwen3's
 vocabulary: host time until it returns (what the engine's loop waits for when the host bounds it) and wall time
 with the device synchronised. Times 260 decode steps, the mission generate's count, give the cost per generate.
+On CUDA also generator.seeded_noise batched (compat.batched_seeded_noise: one kernel for every seeded row), and
+its kernel checked against its definition (kernels/seeded_noise.exponential_noise) and for batch independence.
 
     python scripts/bench_seeded_sampling.py --device cuda [--rows 512 256 64] [--vocab 151936] [--write]
 """
@@ -22,6 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import synchronize, table, write_section  # noqa: E402
+
+from torchtitan_rl import compat  # noqa: E402
+from torchtitan_rl.kernels.seeded_noise import exponential_noise, exponential_noise_cuda  # noqa: E402
 
 STEPS = 260
 """Decode steps of the mission generate (run_configs/qwen3_0.6b.toml: 512 samples of 256 tokens)."""
@@ -42,6 +47,22 @@ def time_call(fn, *, device: str, repeats: int) -> tuple[float, float]:
     return statistics.median(host), statistics.median(wall)
 
 
+def check_kernel(vocab: int) -> str:
+    """The kernel's noise against its definition computed by torch on the GPU, and a row alone against the batch."""
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**63 - 1] + list(range(1000, 1508)), device="cuda")
+    counters = torch.arange(len(seeds), device="cuda") % 7
+    rows = torch.arange(len(seeds), device="cuda")
+    q = torch.empty(len(seeds), vocab, device="cuda")
+    exponential_noise_cuda(q, rows, seeds, counters)
+    ref = exponential_noise(seeds, counters, vocab)
+    alone = torch.empty(1, vocab, device="cuda")
+    exponential_noise_cuda(alone, torch.zeros(1, dtype=torch.int64, device="cuda"), seeds[5:6], counters[5:6])
+    unequal = int((q != ref).sum())
+    ulps = (q.view(torch.int32) - ref.view(torch.int32)).abs().max().item()
+    return (f"Kernel vs definition ({len(seeds)} rows x {vocab:,}): {unequal} of {q.numel():,} values differ, at most "
+            f"{ulps} ulp; a row drawn alone equals it in the batch: {bool(torch.equal(alone[0], q[5]))}.\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -50,21 +71,31 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
     args = p.parse_args()
-    from vllm.v1.sample.ops.topk_topp_sampler import random_sample
+    from vllm.v1.sample.ops import topk_topp_sampler as sampler
 
+    vllm_random_sample = sampler.random_sample
+    cuda = args.device == "cuda"
+    if cuda:
+        compat.batched_seeded_noise(exponential_noise_cuda)
     out = []
     for rows in args.rows:
         probs = torch.softmax(torch.randn(rows, args.vocab, device=args.device), dim=-1)
         generators = {i: torch.Generator(device=args.device).manual_seed(i) for i in range(rows)}
-        unseeded = time_call(lambda: random_sample(probs, {}), device=args.device, repeats=args.repeats)
-        seeded = time_call(lambda: random_sample(probs, generators), device=args.device, repeats=args.repeats)
-        out.append((rows, unseeded, seeded))
-    rows_md = [[rows, f"{u[0] * 1e3:.2f} / {u[1] * 1e3:.2f}", f"{s[0] * 1e3:.2f} / {s[1] * 1e3:.2f}",
-                f"{(s[1] - u[1]) * STEPS:.2f}"] for rows, u, s in out]
+        unseeded = time_call(lambda: vllm_random_sample(probs, {}), device=args.device, repeats=args.repeats)
+        seeded = time_call(lambda: vllm_random_sample(probs, generators), device=args.device, repeats=args.repeats)
+        batched = (time_call(lambda: sampler.random_sample(probs, generators), device=args.device,
+                             repeats=args.repeats) if cuda else None)
+        out.append((rows, unseeded, seeded, batched))
+    ms = lambda t: f"{t[0] * 1e3:.2f} / {t[1] * 1e3:.2f}" if t else "(CUDA only)"  # noqa: E731
+    rows_md = [[rows, ms(u), ms(s), f"{(s[1] - u[1]) * STEPS:.2f}", ms(b),
+                f"{(b[1] - u[1]) * STEPS:.2f}" if b else ""] for rows, u, s, b in out]
     body = (f"vLLM's `random_sample` over a {args.vocab:,}-token vocabulary, median of {args.repeats} calls after 2 "
-            f"warm-up calls; ms host (until it returns) / ms wall (device synchronised).\n\n"
-            + table(["rows", "unseeded ms", "every row seeded ms", f"seeds' cost per {STEPS}-step generate s"],
-                    rows_md))
+            f"warm-up calls; ms host (until it returns) / ms wall (device synchronised). Batched: "
+            f"generator.seeded_noise batched.\n\n"
+            + table(["rows", "unseeded ms", "every row seeded (vLLM) ms", f"vLLM seeds' cost per {STEPS}-step "
+                     "generate s", "every row seeded (batched) ms", "batched seeds' cost s"], rows_md))
+    if cuda:
+        body += "\n" + check_kernel(args.vocab)
     print(body)
     if args.write:
         write_section(f"Seeded sampling, vLLM's per-request loop ({args.device})", device=args.device, body=body)

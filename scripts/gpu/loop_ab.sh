@@ -5,6 +5,7 @@
 #   after        this tree, run_configs/qwen3_0.6b.toml as written (compiled decoder, job.host_threads 0)
 #   threads_off  this tree, --job.host_threads -1 (torch's and vLLM's own thread defaults, as before job.host_threads)
 #   eager        this tree, --generator.compile false (the decoder as before compile became the default)
+#   batched      this tree, --generator.seeded_noise batched (every seeded row's noise in one kernel, not one each)
 # Prints the host's thread facts (affinity, cgroup quota, NVML GPUs, torch's default) and one line per row: median
 # step, median/min/max generate, median train over the steps after the first; raw metrics to $OUT/loop_ab_<row>.jsonl.
 # Before the device call, here: mkdir -p before41 && git archive 3a2b0a6 torchtitan_rl run_configs | tar -x -C before41
@@ -53,6 +54,7 @@ for name in ${LOOP_AB_ROWS:-before after}; do
     after)       row after . --generator.compile_cache_dir /tmp/loop_ab_cache ;;
     threads_off) row threads_off . --generator.compile_cache_dir /tmp/loop_ab_cache --job.host_threads -1 ;;
     eager)       row eager . --generator.compile false ;;
+    batched)     row batched . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.seeded_noise batched ;;
     *)           echo "unknown row $name" ;;
   esac
 done

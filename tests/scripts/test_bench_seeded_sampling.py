@@ -1,5 +1,6 @@
 """scripts/bench_seeded_sampling.py runs (on CPU here, on a GPU in the device calls) and writes its section."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ def test_it_times_both_ways_and_writes_its_section(tmp_path):
         shutil.copy(REPO / "scripts" / name, work / "scripts" / name)
     proc = subprocess.run([sys.executable, "scripts/bench_seeded_sampling.py", "--device", "cpu", "--rows", "8",
                            "--vocab", "64", "--repeats", "3", "--write"], cwd=work, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (work / "docs" / "benchmarks.md").read_text()
     assert "## Seeded sampling, vLLM's per-request loop (cpu)" in text

@@ -30,6 +30,7 @@ from torchtitan_rl.engine.trace import TraceRecorder
 from torchtitan_rl.engine.compile_cache import cached_model_folder
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.engine.vllm_model import BATCH_INVARIANT_KEY, COMPILE_KEY, LORA_KEY, TITAN_ARCH, register
+from torchtitan_rl.kernels.seeded_noise import exponential_noise_cuda
 
 
 class WeightsNotSyncedError(RuntimeError):
@@ -183,6 +184,8 @@ class Engine:
             model_dir = Path(workdir) / "generator_model"
             model_dir.mkdir(parents=True, exist_ok=True)
             (model_dir / "config.json").write_text(json.dumps(shape.to_hf_config(), indent=1))
+        if config.seeded_noise == "batched":
+            compat.batched_seeded_noise(exponential_noise_cuda)
         self.engine = build_engine(
             model=str(model_dir),
             load_format=config.load_format,
