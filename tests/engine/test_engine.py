@@ -148,6 +148,7 @@ def test_an_engine_built_after_its_process_group_was_destroyed_builds_its_own_gr
     del first
 
 
+@pytest.mark.slow  # a second engine: ~8 s
 @pytest.mark.skipif(not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
                     reason="vLLM's CPU backend keeps an fp8 KV cache only with AVX-512 or AMX")
 def test_an_fp8_kv_cache_holds_twice_the_tokens_and_serves_the_synced_weights(unsynced, tmp_path):
