@@ -6,8 +6,9 @@ sample of ours: engine.sample_seed) draws its row of q from its own torch.Genera
 (vLLM 0.26's V1 sampler, which runs our model on a GPU; compat.batched_seeded_noise puts this in its place). Here
 row r's noise is a counter-based hash of (its seed, its draw count, the vocabulary index): the same numbers whatever
 the batch around it, so a seed still gives the same samples in any layout, in one kernel for every row. Not vLLM's
-stream: a run with it samples other tokens than one without, as reproducibly. ``exponential_noise`` is the definition (torch integer ops, any device); on CUDA
-``exponential_noise_cuda`` computes the same numbers in one Triton kernel.
+stream: a run with it samples other tokens than one without, as reproducibly. ``exponential_noise`` is the
+definition (torch integer ops, any device); on CUDA ``exponential_noise_cuda`` computes the same numbers in one
+Triton kernel.
 """
 
 import torch
