@@ -3,6 +3,7 @@ The definition is checked here on CPU; its Triton kernel against it on a GPU (sc
 
 import math
 
+import pytest
 import torch
 
 from torchtitan_rl import compat
@@ -43,6 +44,7 @@ def test_argmax_of_probs_over_the_noise_samples_the_distribution():
     assert chi2 < 30, (chi2, counts.tolist())  # 7 degrees of freedom: P(chi2 > 30) ~ 1e-4
 
 
+@pytest.mark.slow  # imports vLLM's sampler: ~4 s
 def test_the_sampler_patch_leaves_cpu_sampling_to_vllm():
     from vllm.v1.sample.ops import topk_topp_sampler as sampler
 
