@@ -280,6 +280,7 @@ def test_a_run_into_a_read_only_folder_is_one_line(read_only):
         str(e.value)
 
 
+@pytest.mark.slow  # two ranks: ~10 s
 def test_a_two_rank_checkpoint_save_on_a_full_disk_ends_every_rank_with_the_same_verdict(small_disk, tmp_path):
     """FSDP over 2 ranks, each writing its own shard: whichever rank the disk refuses, every rank leaves the
     save (no rank waits in a barrier for the others), step-N.tmp goes, and the previous checkpoint verifies."""

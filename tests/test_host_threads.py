@@ -75,20 +75,21 @@ def test_each_rank_of_a_two_process_run_takes_half_the_cores(tmp_path):
 
 
 def test_a_user_setting_is_kept(tmp_path):
-    """OMP_NUM_THREADS set by the user (or torchrun) wins over the share; job.host_threads -1 leaves torch alone."""
-    code = ("import os, torch; from torchtitan_rl.distributed.threads import set_host_threads; "
-            "print(set_host_threads(int(os.environ['SETTING']), device_type='cpu'), torch.get_num_threads(), "
-            "os.environ.get('OMP_NUM_THREADS'))")
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    """OMP_NUM_THREADS set by the user (or plain torchrun) wins over the share; job.host_threads -1 leaves torch
+    alone."""
+    # One process for the three cases (an import of torch each would be seconds): -1 first, while torch is untouched.
+    code = ("import os, torch\n"
+            "from torchtitan_rl.distributed.threads import set_host_threads\n"
+            "for setting, omp in ((-1, None), (0, '1'), (2, '1')):\n"
+            "    if omp:\n"
+            "        os.environ['OMP_NUM_THREADS'] = omp\n"
+            "    print(set_host_threads(setting, device_type='cpu'), torch.get_num_threads(),"
+            " os.environ.get('OMP_NUM_THREADS'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", TORCHRUN_OMP)}
     env["PYTHONPATH"] = str(REPO)
-
-    def run(setting: int, **extra) -> list[str]:
-        proc = subprocess.run([sys.executable, "-c", code], env={**env, "SETTING": str(setting), **extra},
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout.split()
-
-    assert run(0, OMP_NUM_THREADS="1") == ["1", "1", "1"]
-    assert run(2, OMP_NUM_THREADS="1") == ["2", "2", "2"]
-    untouched = run(-1)  # torch's own default, no variable set
-    assert untouched[0] == "None" and untouched[2] == "None", untouched
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    untouched, user, field = (line.split() for line in proc.stdout.splitlines())
+    assert untouched[0] == "None" and untouched[2] == "None", untouched  # torch's own default, no variable set
+    assert user == ["1", "1", "1"]  # the user's OMP_NUM_THREADS wins over the share
+    assert field == ["2", "2", "2"]  # job.host_threads N wins over both
