@@ -314,6 +314,7 @@ def test_dynamic_sampling_refills_leave_the_dataset_epoch_position_alone(tmp_pat
     assert (task["epoch"], task["position"], task["num_train"]) == (1, 6, 8)
 
 
+@pytest.mark.slow  # a whole run's start up to the dataset: ~8 s
 def test_cli_bad_dataset_line_is_one_line_and_exit_2(tmp_path, smollm2_dir):
     data = tmp_path / "d.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "answer": "2"}\n{"question": \n')

@@ -16,6 +16,8 @@ from tests.helpers import run_cli
 REPO = Path(__file__).resolve().parents[2]
 SUMMARIZE = REPO / "scripts" / "gpu" / "summarize_run.py"
 
+pytestmark = pytest.mark.slow  # a real CPU run in the fixture: ~11 s
+
 
 @pytest.fixture(scope="module")
 def output_dir(tmp_path_factory) -> Path:
