@@ -125,7 +125,7 @@ class WeightSync:
 
     def problem_flags(self, state: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
         """uint8 per key (non-finite) then per tied key (differs from its primary), on
-        the tensors' device and without a host sync: this rank's shards only.
+        the gather device (else the tensors') and without a host sync: this rank's shards only.
 
         One fused multi-tensor max-|x| pass (the inf-norm): it cannot overflow,
         so only NaN (which it propagates, as clip_grad_norm_'s nonfinite check
@@ -138,12 +138,14 @@ class WeightSync:
             norms = torch._foreach_norm([_local(state[k]) for k in keys], ord=float("inf"))
             if len({n.dtype for n in norms}) > 1:
                 norms = [n.float() for n in norms]
-            parts.append(~torch.isfinite(torch.stack([n.to(device) for n in norms])))
+            if len({n.device for n in norms}) > 1:
+                norms = [n.to(device) for n in norms]
+            parts.append((~torch.isfinite(torch.stack(norms))).to(device))
         for key, primary in self.aliases.items():
             a, b = _local(state[key]), _local(state[primary])
             same_storage = a.data_ptr() == b.data_ptr()
-            differs = torch.zeros(1, dtype=torch.bool) if same_storage else (a != b).any().view(1)
-            parts.append(differs.to(device))
+            parts.append(torch.zeros(1, dtype=torch.bool, device=device) if same_storage
+                         else (a != b).any().view(1).to(device))
         if not parts:
             return torch.zeros(0, dtype=torch.uint8, device=device)
         return torch.cat(parts).to(torch.uint8)
