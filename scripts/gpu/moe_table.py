@@ -1,15 +1,19 @@
-"""docs/benchmarks.md "Mixture of experts" from scripts/gpu/moe.sh's rows (metrics.jsonl, refusals)."""
+"""docs/benchmarks.md "Mixture of experts (cuda)" from scripts/gpu/moe.sh's rows (metrics.jsonl, refusals)."""
 
 import argparse
 import json
 import statistics
+import sys
 import tomllib
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_common import write_section  # noqa: E402
 
 ROWS = {"small": "debugmodel_moe, 1 GPU", "small_r3": "debugmodel_moe, 1 GPU, routing replay",
         "a3b_1gpu": "Qwen3-30B-A3B shape, 1 GPU (offload, engine asleep)",
         "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)"}
-HEADING = "## Mixture of experts"
+SECTION = "Mixture of experts (cuda)"
 
 
 def metrics(run: Path) -> list[dict]:
@@ -29,7 +33,7 @@ def engine(run: Path) -> str:
 
 
 def table(res: Path, device: str) -> str:
-    lines = [HEADING, "", f"scripts/gpu/moe.sh on {device}; steps after the first (medians), raw files in "
+    lines = [f"scripts/gpu/moe.sh on {device}; steps after the first (medians), raw files in "
              "scripts/gpu/results/moe/.", "",
              "Routing mismatch: the share of tokens whose top-k experts differ between the generator's forward and the "
              "trainer's recompute in any layer, then per (token, layer).", "",
@@ -53,25 +57,13 @@ def table(res: Path, device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(doc: Path, section: str) -> None:
-    text = doc.read_text()
-    if HEADING in text:
-        start = text.index(HEADING)
-        ends = [i for i in (text.find("\n## ", start + 1), text.find("\n<!-- ", start + 1)) if i != -1]
-        end = min(ends) if ends else -1  # the next section, whether it opens with a heading or a marker
-        text = text[:start] + section + ("\n" + text[end + 1:] if end != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    doc.write_text(text)
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("results", type=Path)
     p.add_argument("--device", default="?")
     p.add_argument("--write", type=Path)
     a = p.parse_args()
-    section = table(a.results, a.device)
-    print(section)
+    body = table(a.results, a.device)
+    print(body)
     if a.write:
-        write(a.write, section)
+        write_section(SECTION, device="cuda", body=body, path=a.write, made_on=a.device)

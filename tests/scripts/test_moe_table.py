@@ -13,13 +13,14 @@ RESULTS = REPO / "scripts" / "gpu" / "results" / "moe"
 def test_rows_from_real_run_folders_and_the_next_section_kept(tmp_path):
     doc = tmp_path / "benchmarks.md"
     marker = "<!-- Weight sync, MoE (cuda) -->\n## Weight sync, MoE (cuda)\nkept\n<!-- /Weight sync, MoE (cuda) -->\n"
-    doc.write_text("# Benchmarks\n\n## Mixture of experts\n\nold table\n" + marker)
+    doc.write_text("# Benchmarks\n\n<!-- Mixture of experts (cuda) -->\n## Mixture of experts (cuda)\n\nold table\n"
+                   "<!-- /Mixture of experts (cuda) -->\n" + marker)
     for _ in range(2):  # a second write replaces the section, never the one after it
         proc = subprocess.run([sys.executable, str(TABLE), str(RESULTS), "--device", "NVIDIA H200 x4", "--write",
                                str(doc)], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
     text = doc.read_text()
-    assert "old table" not in text and text.count("## Mixture of experts") == 1
+    assert "old table" not in text and text.count("## Mixture of experts (cuda)") == 1
     assert marker in text
     lines = text.splitlines()
     a3b = next(line for line in lines if line.startswith("| Qwen3-30B-A3B shape, 4 GPUs"))
