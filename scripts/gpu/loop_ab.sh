@@ -6,6 +6,7 @@
 #   threads_off  this tree, --job.host_threads -1 (torch's and vLLM's own thread defaults, as before job.host_threads)
 #   eager        this tree, --generator.compile false (the decoder as before compile became the default)
 #   batched      this tree, --generator.seeded_noise batched (every seeded row's noise in one kernel, not one each)
+# LOOP_AB_GPU picks the GPU (default 0).
 # Prints the host's thread facts (affinity, cgroup quota, NVML GPUs, torch's default) and one line per row: median
 # step, median/min/max generate, median train over the steps after the first; raw metrics to $OUT/loop_ab_<row>.jsonl.
 # Before the device call, here: mkdir -p before41 && git archive 3a2b0a6 torchtitan_rl run_configs | tar -x -C before41
@@ -34,7 +35,7 @@ row() {  # NAME DIR [simple_grpo overrides...]
   local name=$1 dir=$2; shift 2
   local tmp; tmp=$(mktemp -d /tmp/loop_ab_XXXX)
   echo "=== $name ($(date -u +%H:%M:%S))"
-  (cd "$dir" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 -m torchtitan_rl.simple_grpo \
+  (cd "$dir" && CUDA_VISIBLE_DEVICES=${LOOP_AB_GPU:-0} PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 -m torchtitan_rl.simple_grpo \
     --config "run_configs/$config" --trainer.steps "$steps" --job.output_dir "$tmp" \
     --trainer.checkpoint.enable false "$@" "${extra[@]}" 2>&1 | grep -i -E "torch threads|OMP_NUM|mean reward|Error" )
   cp "$(find "$tmp" -name metrics.jsonl | head -n 1)" "$OUT/loop_ab_$name.jsonl" || echo "$name: no metrics"

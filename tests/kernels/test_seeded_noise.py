@@ -1,7 +1,12 @@
 """kernels/seeded_noise.py: each seeded sample's noise, drawn for every row at once (generator.seeded_noise batched).
-The definition is checked here on CPU; its Triton kernel against it on a GPU (scripts/bench_seeded_sampling.py)."""
+The definition is checked here on CPU, and the Triton kernel's hashing and row placement in Triton's interpreter; the
+compiled kernel (libdevice's log1p included) against the definition on a GPU (scripts/bench_seeded_sampling.py)."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -58,3 +63,27 @@ def test_the_sampler_patch_leaves_cpu_sampling_to_vllm():
     compat.batched_seeded_noise(None)  # idempotent: the first stays
     assert sampler.random_sample.batched_seeded_noise
     assert torch.equal(draw(), before)
+
+
+INTERPRETED = textwrap.dedent("""
+    import types, torch
+    import triton.language as tl
+    from torchtitan_rl.kernels import seeded_noise as sn
+    # The interpreter has no libdevice: a plain log stands in for log1p (same values to float32 rounding here).
+    sn._noise_kernel.fn.__globals__["libdevice"] = types.SimpleNamespace(log1p=lambda x: tl.log(1.0 + x))
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**63 - 1, -5, -2**63, 12345678901])
+    counters = torch.tensor([0, 3, 7, 2**33 + 1, 5, 1, 999])
+    rows = torch.tensor([0, 2, 3, 5, 6, 8, 9])
+    q = torch.full((10, 2500), -1.0)
+    sn.exponential_noise_cuda(q, torch.stack([rows, seeds, counters]))
+    print((q[rows] - sn.exponential_noise(seeds, counters, 2500)).abs().max().item(), bool(q[[1, 4, 7]].eq(-1).all()))
+""")
+
+
+@pytest.mark.slow  # a fresh interpreter that imports torch and Triton: ~5 s
+def test_the_kernel_draws_the_definitions_noise_into_the_rows_it_is_given():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernel is decorated
+    out = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    diff, untouched = out.stdout.split()
+    assert float(diff) < 1e-6 and untouched == "True", out.stdout  # seeds' sign bit and 64-bit counters included

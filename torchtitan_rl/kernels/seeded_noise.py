@@ -63,10 +63,18 @@ def _fmix32_tl(h):
 
 
 @triton.jit
-def _noise_kernel(q_ptr, q_stride, rows_ptr, keys_ptr, vocab, BLOCK: tl.constexpr):
+def _noise_kernel(q_ptr, q_stride, ids_ptr, n_rows, vocab, BLOCK: tl.constexpr):
+    """Row r of the draw: ids_ptr holds [rows | seeds | counters], n_rows each (``row_keys`` computed here, so a
+    step is one launch)."""
     r = tl.program_id(0)
-    row = tl.load(rows_ptr + r).to(tl.int64)
-    key = tl.load(keys_ptr + r).to(tl.uint32, bitcast=True)
+    row = tl.load(ids_ptr + r)
+    seed = tl.load(ids_ptr + n_rows + r)
+    counter = tl.load(ids_ptr + 2 * n_rows + r)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = _fmix32_tl(lo ^ 0x9E3779B9)
+    key = _fmix32_tl(key ^ hi)
+    key = _fmix32_tl(key ^ (counter & 0xFFFFFFFF).to(tl.uint32))
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     h = _fmix32_tl(key ^ _fmix32_tl(col.to(tl.uint32) * 0x9E3779B9))
     u = (h.to(tl.float32) + 0.5) * (1.0 / 4294967296.0)
@@ -74,10 +82,10 @@ def _noise_kernel(q_ptr, q_stride, rows_ptr, keys_ptr, vocab, BLOCK: tl.constexp
     tl.store(q_ptr + row * q_stride + col, q, mask=col < vocab)
 
 
-def exponential_noise_cuda(q_BV: torch.Tensor, rows_R: torch.Tensor, seeds_R: torch.Tensor,
-                           counters_R: torch.Tensor) -> None:
-    """Write ``exponential_noise``'s rows into rows ``rows_R`` of ``q_BV`` (float32, CUDA) in one kernel."""
-    keys_R = row_keys(seeds_R, counters_R).to(torch.int32)  # uint32 bits; the kernel reads them back as uint32
+def exponential_noise_cuda(q_BV: torch.Tensor, ids_3R: torch.Tensor) -> None:
+    """Write ``exponential_noise``'s rows into ``q_BV`` (float32, CUDA) in one kernel: ``ids_3R`` (int64, CUDA)
+    holds the rows of q_BV to fill, their seeds and their draw counts."""
+    n_rows = ids_3R.shape[1]
     block = 2048
-    grid = (rows_R.numel(), triton.cdiv(q_BV.shape[1], block))
-    _noise_kernel[grid](q_BV, q_BV.stride(0), rows_R, keys_R, q_BV.shape[1], BLOCK=block)
+    grid = (n_rows, triton.cdiv(q_BV.shape[1], block))
+    _noise_kernel[grid](q_BV, q_BV.stride(0), ids_3R, n_rows, q_BV.shape[1], BLOCK=block)
