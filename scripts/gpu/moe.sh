@@ -11,6 +11,8 @@
 #             (scripts/bench_weight_sync.py -> section "Weight sync, MoE (cuda)")
 #   a3b_4gpu  the same on four GPUs: FSDP over 4 trainer ranks (bf16 masters offloaded: fp32 ones need ~153 GiB a GPU
 #             by run/memory.py's estimate, refused up front), a colocated engine per GPU asleep while the trainer steps
+#   a3b_4gpu_ep  a3b_4gpu with expert parallelism over the 4 ranks (trainer.parallelism.expert_parallel_degree 4:
+#             each rank computes 32 of the 128 experts, tokens moved by all-to-all)
 # Each row: MOE_STEPS steps (default 10) within MOE_TIMEOUT seconds (default 540: one row fits a 10-minute device
 # call); metrics.jsonl has sync_s, train_s, step_s, routing_mismatch.
 set -uo pipefail
@@ -49,6 +51,10 @@ for r in $ROWS; do
     a3b_4gpu) row a3b_4gpu 4 --model.flavor 30B-A3B --grpo.prompts_per_step 8 --grpo.group_size 8 \
                 --trainer.master_dtype bfloat16 --trainer.cpu_offload true --generator.sleep weights \
                 --generator.gpu_memory_utilization 0.85 --trainer.activation_checkpoint full ;;
+    a3b_4gpu_ep) row a3b_4gpu_ep 4 --model.flavor 30B-A3B --grpo.prompts_per_step 8 --grpo.group_size 8 \
+                --trainer.master_dtype bfloat16 --trainer.cpu_offload true --generator.sleep weights \
+                --generator.gpu_memory_utilization 0.85 --trainer.activation_checkpoint full \
+                --trainer.parallelism.expert_parallel_degree 4 ;;
     sync)     start=$(date +%s)
               timeout "$LIMIT" python scripts/bench_weight_sync.py --device cuda --flavors debugmodel_moe 30B-A3B \
                 --layers 8 --bucket-mb 128 512 2048 --methods ours reload --section "Weight sync, MoE (cuda)" \

@@ -12,7 +12,8 @@ from bench_common import write_section  # noqa: E402
 
 ROWS = {"small": "debugmodel_moe, 1 GPU", "small_r3": "debugmodel_moe, 1 GPU, routing replay",
         "a3b_1gpu": "Qwen3-30B-A3B shape, 1 GPU (offload, engine asleep)",
-        "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)"}
+        "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)",
+        "a3b_4gpu_ep": "Qwen3-30B-A3B shape, 4 GPUs, expert parallel 4 (FSDP, offload, engine asleep)"}
 SECTION = "Mixture of experts (cuda)"
 
 

@@ -34,6 +34,19 @@ def test_defaults_are_valid_and_generator_keeps_its_own_parallelism_default():
     assert cfg.generator.parallelism.data_parallel_shard_degree == 1
 
 
+def test_expert_parallel_degree_is_checked_against_the_ranks_next_to_the_field():
+    cfg = JobConfig()
+    cfg.trainer.parallelism.expert_parallel_degree = 2
+    validate(cfg, world_size=4)  # FSDP over 4: 2 ranks place the experts, 2 shard them
+    with pytest.raises(ValueError, match=r"^trainer\.parallelism\.expert_parallel_degree: 2 does not divide "
+                                         r"data_parallel_shard_degree x tensor_parallel_degree = 3$"):
+        validate(cfg, world_size=3)
+    cfg = JobConfig()
+    cfg.generator.parallelism.expert_parallel_degree = 2
+    with pytest.raises(ValueError, match=r"^generator\.parallelism\.expert_parallel_degree: each engine holds"):
+        validate(cfg)
+
+
 @pytest.mark.parametrize("name", ["cpu_tiny", "qwen3_0.6b", "qwen3_0.6b_long_tail", "qwen3_1.7b_long_tail"])
 def test_run_configs_load_strictly_and_validate(name):
     cfg = load_toml(REPO / "run_configs" / f"{name}.toml")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import REPO, assert_one_line_error, run_cli, tiny_shape
-from torchtitan_rl.config import JobConfig, LoRAConfig, PartialRolloutConfig, load_toml
+from torchtitan_rl.config import JobConfig, LoRAConfig, ParallelismConfig, PartialRolloutConfig, load_toml
 from torchtitan_rl.export import export_hf
 from torchtitan_rl.models.families import from_hf, shape_from_hf_config
 from torchtitan_rl.models.lora import apply_lora, is_lora_key
@@ -92,7 +92,12 @@ def _cpu_tiny_moe(**fields) -> JobConfig:
     ({"model__lora": LoRAConfig(rank=4, target_modules=("w1", "w2", "w3"))}, "model.lora.target_modules: ['w1'"),
     ({"grpo__partial": PartialRolloutConfig(enable=True)}, "grpo.partial.enable: a cut sample's expert choices"),
     ({"generator__stream_groups": True}, "generator.stream_groups: a streamed group is recomputed before"),
-], ids=["replay-dense", "balance-dense", "replay-nccl", "balance-export", "lora-mlp-only", "partial", "stream"])
+    ({"model__flavor": "tiny", "trainer__parallelism": ParallelismConfig(expert_parallel_degree=2)},
+     "trainer.parallelism.expert_parallel_degree: Qwen3ForCausalLM has no experts to place"),
+    ({"trainer__parallelism": ParallelismConfig(expert_parallel_degree=3)},
+     "trainer.parallelism.expert_parallel_degree: 3 does not divide the model's 8 experts"),
+], ids=["replay-dense", "balance-dense", "replay-nccl", "balance-export", "lora-mlp-only", "partial", "stream",
+        "ep-dense", "ep-experts"])
 def test_what_moe_cannot_do_is_refused_naming_the_field(fields, message):
     cfg = _cpu_tiny_moe(**fields)
     with pytest.raises(ValueError, match=re.escape(message)):

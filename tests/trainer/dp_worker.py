@@ -10,6 +10,10 @@ checkpoint round trip: save, step, reload into a new Trainer, step; then 2 epoch
 on an even split.
 
 TP (tensor_parallel_degree=2): both ranks take the whole batch.
+
+EP (tiny-moe, fp32): FSDP alone and expert_parallel_degree=2 on the same rows: the full parameters as the sync
+gathers them (distributed/dtensor.full_many, as they are and cast to bf16), one step's gradients, then an EP
+checkpoint round trip.
 """
 
 import sys
@@ -24,6 +28,7 @@ from torchtitan_rl.config.job_config import (
     ParallelismConfig,
     TrainerConfig,
 )
+from torchtitan_rl.distributed.dtensor import full_many
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.trainer import TrainBatch, Trainer, checkpoint
 
@@ -69,11 +74,37 @@ def main() -> None:
     tp_logprobs = tp.token_logprobs(whole.tokens_BL, temperature=1.0)
     tp_metrics = tp.train_step(whole, temperature=1.0, grpo=grpo)
 
+    moe = resolve_shape(flavor="tiny-moe", hf_checkpoint=None, vocab_size=16, max_seq_len=64)
+    ep = {}
+    for degree in (1, 2):
+        experts = Trainer(
+            TrainerConfig(micro_batch_size=2, parallelism=ParallelismConfig(expert_parallel_degree=degree)),
+            model_config=ModelConfig(dtype="float32"), shape=moe, seed=0, device=torch.device("cpu"),
+            output_dir=out_dir / f"ep{degree}",
+        )
+        names, tensors = zip(*experts.model.named_parameters())
+        ep[degree] = {
+            "params": dict(zip(names, full_many(list(tensors)))),
+            "params_bf16": dict(zip(names, full_many(list(tensors), [torch.bfloat16] * len(tensors)))),
+            "logprobs": experts.token_logprobs(batch.tokens_BL, temperature=1.0),
+            "metrics": experts.train_step(batch, temperature=1.0, grpo=grpo),
+            "grads": {name: t.grad.full_tensor() for name, t in zip(names, tensors)},
+            "meshes": sorted({t.device_mesh.mesh_dim_names for t in tensors}),
+        }
+    experts.save_checkpoint(1)
+    ep["second"] = experts.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
+    experts = Trainer(
+        TrainerConfig(micro_batch_size=2, parallelism=ParallelismConfig(expert_parallel_degree=2)),
+        model_config=ModelConfig(dtype="float32"), shape=moe, seed=0, device=torch.device("cpu"), output_dir=out_dir / "ep2",
+    )
+    experts.load_checkpoint(checkpoint.newest_verified(experts.checkpoint_folder)[1])
+    ep["second_resumed"] = experts.train_step(batch, temperature=1.0, grpo=grpo)["loss"]
+
     torch.save(
         {"metrics": metrics, "params": params, "logprobs": logprobs,
          "second": second, "second_resumed": second_resumed,
          "tp_logprobs": tp_logprobs, "tp_metrics": tp_metrics,
-         "epoch_metrics": epoch_metrics, "epoch_params": epoch_params},
+         "epoch_metrics": epoch_metrics, "epoch_params": epoch_params, "ep": ep},
         out_dir / f"rank{dist.get_rank()}.pt",
     )
     dist.destroy_process_group()

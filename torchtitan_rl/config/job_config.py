@@ -99,13 +99,18 @@ class ParallelismConfig:
     """Trainer: DDP (replicate) degree. Engine: replicas R, each a whole vLLM engine on its own rank and device (weight_sync.transport nccl: the last R torchrun ranks; each batch's prompts split over them in contiguous blocks, one broadcast per bucket feeds all)."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel degree (generator: vLLM tensor_parallel_size; must be 1 for now, docs/scaling.md)."""
+    expert_parallel_degree: int = 1
+    """Trainer, MoE models: torchtitan's expert parallelism: each rank computes num_experts / this many experts
+    (tokens move to their experts by all-to-all) and FSDP shards the experts over the remaining
+    (data_parallel_shard_degree * tensor_parallel_degree / this) ranks. Must divide both and the expert count.
+    Generator: must be 1 (each engine holds every expert)."""
 
     def check(self, path: str, *, world_size: int, exact: bool) -> None:
         """exact: shard * replicate * tp must equal world_size (trainer); else divide it."""
         shard, rep, tp = self.data_parallel_shard_degree, self.data_parallel_replicate_degree, self.tensor_parallel_degree
         if shard != -1 and shard < 1:
             raise ValueError(f"{path}.data_parallel_shard_degree: must be -1 (infer) or >= 1, got {shard}")
-        at_least(self, path, 1, "data_parallel_replicate_degree", "tensor_parallel_degree")
+        at_least(self, path, 1, "data_parallel_replicate_degree", "tensor_parallel_degree", "expert_parallel_degree")
         if shard == -1 or not exact:
             used = rep * tp * max(shard, 1)
             if world_size % used:
@@ -115,6 +120,14 @@ class ParallelismConfig:
                 f"{path}: data_parallel_shard_degree ({shard}) * data_parallel_replicate_degree "
                 f"({rep}) * tensor_parallel_degree ({tp}) = {shard * rep * tp} != world size {world_size}"
             )
+        ep = self.expert_parallel_degree
+        if not exact and ep != 1:
+            raise ValueError(f"{path}.expert_parallel_degree: each engine holds every expert, so it must be 1, got {ep}")
+        # torchtitan carves the expert ranks out of the FSDP x TP ones (the rest shard the experts, "efsdp").
+        ranks = (world_size // (rep * tp) if shard == -1 else shard) * tp
+        if exact and ranks % ep:
+            raise ValueError(f"{path}.expert_parallel_degree: {ep} does not divide data_parallel_shard_degree x "
+                             f"tensor_parallel_degree = {ranks}")
 
 
 @dataclass(kw_only=True)

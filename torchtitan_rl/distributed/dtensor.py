@@ -29,6 +29,14 @@ def _fsdp_sharded(t: torch.Tensor) -> bool:
     return isinstance(placement, Shard) and placement.dim == 0
 
 
+def _gathered(t: DTensor, dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    """``t.full_tensor()`` of its shards cast to ``dtype`` first (the bytes that travel) and moved to ``device``
+    (offloaded shards are gathered on the accelerator, not by the CPU's backend)."""
+    shard = t.to_local()
+    shard = shard.to(device=device or shard.device, dtype=dtype)
+    return DTensor.from_local(shard, t.device_mesh, t.placements, shape=t.shape, stride=t.stride()).full_tensor()
+
+
 def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = None,
               device: torch.device | None = None) -> list[torch.Tensor]:
     """``full`` of each tensor, collectively on every rank; gathered ones come back in
@@ -38,7 +46,7 @@ def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = No
     dtype: each rank packs its shards, cast first (half the bytes for fp32
     masters going to bf16), padded to ceil(rows / ranks) rows as DTensor
     splits them (a full_tensor() call per tensor costs host time: docs/design.md). Other layouts
-    (tensor parallel, 2-D meshes) gather one by one. ``device``: where FSDP shards are packed and
+    (tensor parallel, expert parallel's 2-D mesh) gather one by one, cast first as well. ``device``: where FSDP shards are packed and
     gathered (offloaded shards live on the CPU; the gather runs on the accelerator).
     """
     dtypes = dtypes or [t.dtype for t in tensors]
@@ -47,8 +55,10 @@ def full_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype] | None = No
     for i, t in enumerate(tensors):
         if _fsdp_sharded(t):
             groups.setdefault((id(t.device_mesh), dtypes[i]), []).append(i)
+        elif needs_gather(t):
+            out[i] = _gathered(t, dtypes[i], device)
         else:
-            out[i] = full(t)
+            out[i] = local(t)
     for (_, dtype), idx in groups.items():
         mesh = tensors[idx[0]].device_mesh
         world = mesh.size()

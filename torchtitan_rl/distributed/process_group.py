@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import ParallelismConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.utils import set_spmd_backend
 
 
 def local_device(device: torch.device | str) -> torch.device:
@@ -73,8 +74,11 @@ def build_parallel_dims(
             f"({replicate}) * tensor_parallel_degree ({tp}) != world size {world_size}"
         )
     compat.titan_mesh_device_type(device.type)
+    # torchtitan's runtime helpers (the MoE token dispatcher's all-to-all) read the backend from this global,
+    # whose default is "spmd_types"; torchtitan's Trainer sets it the same way.
+    set_spmd_backend("partial_dtensor")
     dims = ParallelDims(
-        dp_replicate=replicate, dp_shard=shard, cp=1, tp=tp, pp=1, ep=1,
+        dp_replicate=replicate, dp_shard=shard, cp=1, tp=tp, pp=1, ep=parallelism.expert_parallel_degree,
         world_size=world_size,
         # The DTensor-only path: FSDP2 over a "fsdp" mesh that torchtitan keeps
         # real even at degree 1, TP through the model's own parallelize().

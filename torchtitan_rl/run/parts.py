@@ -54,11 +54,18 @@ def run_shape(cfg: JobConfig, task):
 
 def check_moe(cfg: JobConfig, shape) -> None:
     """What an MoE model (or a dense one) refuses of the config, in one line naming the field."""
+    ep = cfg.trainer.parallelism.expert_parallel_degree
     if not shape.moe:
         if cfg.grpo.routing_replay:
             raise ValueError(f"grpo.routing_replay: {shape.family.hf_architecture} has no experts to route; "
                              "set it false")
+        if ep != 1:
+            raise ValueError(f"trainer.parallelism.expert_parallel_degree: {shape.family.hf_architecture} has no "
+                             f"experts to place; set it 1, got {ep}")
         return
+    if shape.num_experts % ep:
+        raise ValueError(f"trainer.parallelism.expert_parallel_degree: {ep} does not divide the model's "
+                         f"{shape.num_experts} experts")
     if cfg.batch_invariant_mode:
         raise ValueError("batch_invariant_mode: not for MoE models: vLLM's fused-MoE kernels sum each token's "
                          "experts in an order that depends on the batch, and there is no batch-invariant "

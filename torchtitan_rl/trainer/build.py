@@ -1,5 +1,5 @@
 """Build the trainer's model: torchtitan's decoder from a seed or HF weights, LoRA, batch-invariant kernels,
-activation checkpointing, then FSDP2/TP through torchtitan's parallelize (trainer/trainer.py calls it once)."""
+activation checkpointing, then FSDP2/TP/EP through torchtitan's parallelize (trainer/trainer.py calls it once)."""
 
 from pathlib import Path
 
@@ -32,12 +32,13 @@ def build_parallel_model(
     batch_invariant: bool,
     sharded_hf_load: bool,
 ) -> tuple[torch.nn.Module, bool, int]:
-    """The parallelized model (FSDP2/TP, fp32 masters), whether torch.compile is on, and the logprob chunk size
+    """The parallelized model (FSDP2/TP/EP, fp32 masters), whether torch.compile is on, and the logprob chunk size
     in tokens (0: the model returns whole logits). ``sharded_hf_load``: as Trainer's argument of that name."""
     titan_parallelism = TitanParallelismConfig(
         data_parallel_replicate_degree=parallel_dims.dp_replicate,
         data_parallel_shard_degree=parallel_dims.dp_shard,
         tensor_parallel_degree=parallel_dims.tp,
+        expert_parallel_degree=parallel_dims.ep,
         spmd_backend="partial_dtensor",
     )
     # Every rank builds the whole fp32 model from the same seed (or HF
@@ -107,18 +108,18 @@ def build_model(
 ) -> torch.nn.Module:
     """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
     config = titan_config(shape)
-    tp = parallelism.tensor_parallel_degree
-    if tp > 1:
-        if shape.num_key_value_heads % tp:
-            raise ValueError(
-                f"trainer.parallelism.tensor_parallel_degree: {tp} does not divide "
-                f"the model's {shape.num_key_value_heads} KV heads"
-            )
-        # torchtitan reads each module's TP layout from its config at build time.
+    tp, ep = parallelism.tensor_parallel_degree, parallelism.expert_parallel_degree
+    if tp > 1 and shape.num_key_value_heads % tp:
+        raise ValueError(
+            f"trainer.parallelism.tensor_parallel_degree: {tp} does not divide "
+            f"the model's {shape.num_key_value_heads} KV heads"
+        )
+    if tp > 1 or ep > 1:
+        # torchtitan reads each module's TP / EP layout from its config at build time.
         # (Qwen3Model.Config.update_from_config does this too, but imports
         # torchtitan's whole Trainer, HF datasets included.)
         set_qwen3_sharding_config(
-            config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=False
+            config, enable_sp=parallelism.enable_sequence_parallel, enable_ep=ep > 1
         )
     with torch.device("meta"):
         model = config.build()

@@ -15,6 +15,7 @@ in logprobs.py, the checkpoint files in checkpoint.py.
 """
 
 import contextlib
+import math
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import register_moe_load_balancing_hook
+from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
@@ -427,6 +429,11 @@ class Trainer:
     def _clip_grad_norm(self) -> float:
         """Global gradient norm before clipping; clips to max_grad_norm unless it is 0."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.parallel_dims.ep_enabled:
+            # Experts live on the (efsdp, ep) mesh, the rest on FSDP's: torchtitan adds the two norms.
+            norm = dist_utils.clip_grad_norm_(params, self.config.max_grad_norm or math.inf, foreach=True,
+                                              ep_enabled=True)
+            return norm.item()
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if isinstance(norm, DTensor):  # partial per-shard norms -> the global one
             norm = norm.full_tensor()
