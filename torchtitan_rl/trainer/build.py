@@ -5,10 +5,11 @@ from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
-from torch.distributed.fsdp import FSDPModule
-from torchtitan.config import CompileConfig, TrainingConfig
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, TrainingConfig
 from torchtitan.config import ParallelismConfig as TitanParallelismConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -75,18 +76,22 @@ def build_parallel_model(
     if config.activation_checkpoint == "full":
         for block in model.layers.values():
             checkpoint_forward(block)
+    training = TrainingConfig(
+        mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32",
+        enable_cpu_offload=config.cpu_offload and device.type == "cuda",
+    )
     model = parallelize_qwen3(
         model,
         parallel_dims=parallel_dims,
-        training=TrainingConfig(
-            mixed_precision_param=model_config.dtype, mixed_precision_reduce="float32",
-            enable_cpu_offload=config.cpu_offload and device.type == "cuda",
-        ),
+        training=training,
         parallelism=titan_parallelism,
         compile_config=CompileConfig(enable=compile_, components=["model"]),
         ac_config=None,
         dump_folder=str(output_dir),
+        skip_dp=parallel_dims.ep > 1,
     )
+    if parallel_dims.ep > 1:
+        shard_with_expert_mesh(model, parallel_dims=parallel_dims, training=training)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # torchtitan turns off FSDP's gradient averaging (we normalise by the
@@ -101,6 +106,28 @@ def build_parallel_model(
             model.init_states(buffer_device=device)  # the RoPE buffers; the weights come next
         load_hf_weights_sharded(model, shape=shape, hf_dir=model_config.hf_checkpoint)
     return model, compile_, chunk_tokens
+
+
+def shard_with_expert_mesh(model: torch.nn.Module, *, parallel_dims: ParallelDims, training: TrainingConfig) -> None:
+    """FSDP2 under expert parallelism: each block's experts by their own fully_shard over the ranks that share
+    them ("efsdp"), then torchtitan's decoder sharding over "fsdp", which skips what is already sharded.
+    torchtitan 0.3 does this with FSDP's per-parameter meshes, which torch 2.11 (vLLM 0.26's) lacks; nesting is
+    the same layout on both."""
+    replicate = ["dp_replicate"] if parallel_dims.dp_replicate_enabled else []
+    param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
+    reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
+    offload = {"offload_policy": CPUOffloadPolicy()} if training.enable_cpu_offload else {}
+    for block in model.layers.values():
+        fully_shard(
+            block.moe.routed_experts.inner_experts, mesh=parallel_dims.get_mesh(replicate + ["efsdp"]),
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                           cast_forward_inputs=False),
+            **offload,
+        )
+    apply_fsdp_to_decoder(
+        model, parallel_dims.get_mesh(replicate + ["fsdp"]), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        pp_enabled=False, cpu_offload=training.enable_cpu_offload,
+    )
 
 
 def build_model(
