@@ -25,6 +25,11 @@ if not hasattr(_fsdp, "DataParallelMeshDims"):
 
     _fsdp.DataParallelMeshDims = DataParallelMeshDims
 
+if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+    # torch 2.11 lacks it; torchtitan 0.3.0's MoE token dispatcher asks it (beside is_compiling) before each
+    # all-to-all, and outside make_fx's non-strict tracing, which we never run, the answer is False.
+    torch.compiler._is_non_strict_tracing = lambda: False
+
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -137,6 +142,18 @@ def titan_mesh_device_type(device_type: str) -> None:
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     parallel_dims.device_type = device_type
+
+
+def titan_expert_all_to_all() -> None:
+    """torchtitan 0.3.0's MoE token dispatcher (expert parallelism) moves tokens with the functional
+    ``all_to_all_single``, whose backward came with newer torch (2.13's says so; pytorch #172792 folded the
+    separate ``_c10d_functional_autograd`` ops into it); where it has none, the tokens' gradients would stop there
+    without an error. The ``_autograd`` variant is the same exchange with a backward on every version (a plain
+    call of the base op on 2.13)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torchtitan.models.common import token_dispatcher
+
+    token_dispatcher.all_to_all_single = all_to_all_single_autograd
 
 
 def batch_invariant_ops():

@@ -13,6 +13,7 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.models.qwen3 import parallelize_qwen3
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
+from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
 from torchtitan_rl.kernels.batch_invariant import make_batch_invariant
 from torchtitan_rl.models.lora import apply_lora
@@ -91,6 +92,7 @@ def build_parallel_model(
         skip_dp=parallel_dims.ep > 1,
     )
     if parallel_dims.ep > 1:
+        compat.titan_expert_all_to_all()
         shard_with_expert_mesh(model, parallel_dims=parallel_dims, training=training)
     for module in model.modules():
         if isinstance(module, FSDPModule):
