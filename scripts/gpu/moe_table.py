@@ -42,10 +42,11 @@ def table(res: Path, device: str) -> str:
              "| reward first -> last | status |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, what in ROWS.items():
-        refused = res / f"{name}.refused"
+        refused, note = res / f"{name}.refused", res / f"{name}.note"
         recs = metrics(res / name)
         if not recs:
-            why = refused.read_text().strip().splitlines()[-1] if refused.is_file() else "not run"
+            said = refused if refused.is_file() else note  # a note: what became of a row whose metrics are not here
+            why = said.read_text().strip().splitlines()[-1] if said.is_file() else "not run"
             lines.append(f"| {what} | | 0 | | | | | | | {why[:160]} |")
             continue
         later = recs[1:] or recs
