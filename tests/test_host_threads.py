@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, free_port
-from torchtitan_rl.distributed.threads import TORCHRUN_OMP, host_threads, usable_cpus
+from torchtitan_rl.distributed.threads import TORCHRUN_OMP, host_threads, intra_op_threads, usable_cpus
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 
 
@@ -51,6 +51,18 @@ def record_threads() -> RecordThreads:
 
 
 @pytest.mark.slow  # two engines and two trainers on the machine's cores: ~40 s
+def test_the_engine_loop_runs_on_its_own_thread_count_and_gives_the_process_its_own_back():
+    before = torch.get_num_threads()
+    with intra_op_threads(1):  # generator.loop_threads on a GPU engine
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), intra_op_threads(1):
+        raise RuntimeError("a failed generate")
+    assert torch.get_num_threads() == before
+    with intra_op_threads(0):  # 0, and every CPU engine: the process's count
+        assert torch.get_num_threads() == before
+
+
 def test_each_rank_of_a_two_process_run_takes_half_the_cores(tmp_path):
     """Two ranks started by torchtitan_rl.launch with no OMP_NUM_THREADS: torchrun's agent gives each rank
     OMP_NUM_THREADS=1 (a 30B run's CPU optimizer then ran on one core per rank); left to torch, each would run a

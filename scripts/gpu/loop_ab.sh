@@ -6,6 +6,11 @@
 #   threads_off  this tree, --job.host_threads -1 (torch's and vLLM's own thread defaults, as before job.host_threads)
 #   eager        this tree, --generator.compile false (the decoder as before compile became the default)
 #   batched      this tree, --generator.seeded_noise batched (every seeded row's noise in one kernel, not one each)
+#   threads4     this tree, --job.host_threads 4 (the default gives one process of a 16-core one-GPU host all 16: its
+#                OpenMP pool then spins on the cores the engine's own thread needs after every CPU op)
+#   passive      this tree with OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep instead of spinning when idle)
+#   loop_threads0  this tree, --generator.loop_threads 0 (the engine loop on job.host_threads's threads, as before
+#                generator.loop_threads; the default 1 is vLLM >= 0.32's serving rule, which vLLM 0.26 lacks)
 # LOOP_AB_GPU picks the GPU (default 0).
 # Prints the host's thread facts (affinity, cgroup quota, NVML GPUs, torch's default) and one line per row: median
 # step, median/min/max generate, median train over the steps after the first; raw metrics to $OUT/loop_ab_<row>.jsonl.
@@ -56,6 +61,9 @@ for name in ${LOOP_AB_ROWS:-before after}; do
     threads_off) row threads_off . --generator.compile_cache_dir /tmp/loop_ab_cache --job.host_threads -1 ;;
     eager)       row eager . --generator.compile false ;;
     batched)     row batched . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.seeded_noise batched ;;
+    threads4)    row threads4 . --generator.compile_cache_dir /tmp/loop_ab_cache --job.host_threads 4 ;;
+    passive)     OMP_WAIT_POLICY=PASSIVE row passive . --generator.compile_cache_dir /tmp/loop_ab_cache ;;
+    loop_threads0) row loop_threads0 . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.loop_threads 0 ;;
     *)           echo "unknown row $name" ;;
   esac
 done

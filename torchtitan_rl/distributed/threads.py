@@ -9,8 +9,9 @@ started the ranks: it says the 1 is torchrun's (``TORCHRUN_OMP``), and a rank th
 to one thread runs the CPU optimizer of trainer.cpu_offload and the sync's checks of host-memory shards on one core).
 """
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -75,3 +76,16 @@ def set_host_threads(setting: int, *, device_type: str) -> int | None:
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(n)
         compat.set_compile_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads at ``n`` inside, the process's count again after; ``n`` 0: unchanged."""
+    before = torch.get_num_threads()
+    if n:
+        compat.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            compat.set_num_threads(before)

@@ -22,6 +22,7 @@ import torch
 
 from torchtitan_rl import collector, compat
 from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, LoRAConfig, ModelConfig, SamplingConfig
+from torchtitan_rl.distributed.threads import intra_op_threads
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.moe import RouteLog
@@ -169,6 +170,8 @@ class Engine:
         """While a generate runs: each unfinished request's version changes, (its tokens so far, the version its
         next tokens are sampled with), the first at (0, the generate's version); None between generates."""
 
+        self._loop_threads = config.loop_threads if torch.device(device).type == "cuda" else 0
+        """Intra-op threads while the engine loop runs (generator.loop_threads; a CPU engine computes with all)."""
         check_sleep(config.sleep, device)
         self._sleeping: set[str] = set()
         """vLLM wake-up tags still asleep ("weights", "kv_cache")."""
@@ -440,7 +443,8 @@ class Engine:
                     on_group(g, rows(g * n, (g + 1) * n))
         trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs)
         try:
-            with collector.paused():  # vLLM's per-token objects (docs/design.md)
+            # vLLM's per-token objects (docs/design.md); the loop's small CPU ops on one thread (loop_threads).
+            with collector.paused(), intra_op_threads(self._loop_threads):
                 # Also collects a batch still in flight once every request finished (async scheduling): the
                 # engine is idle when generate returns, so a sync never writes under a running iteration.
                 while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
