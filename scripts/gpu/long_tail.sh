@@ -15,7 +15,9 @@
 #          docs/benchmarks.md, "Partial rollouts on the CPU harness", says why these values), and on d rows also
 #          $LONG_TAIL_ON_D_ARGS (default: in-flight weight updates and streaming, own-rank layout only; the bound
 #          3 = 2 x grpo.max_staleness + 1) | fp8, onfp8: off, on with the KV cache in fp8 (generator.kv_cache_dtype:
-#          half the KV bytes a long-context decode step reads)
+#          half the KV bytes a long-context decode step reads) | stream (d rows): on without in-flight updates
+#          ($LONG_TAIL_STREAM_D_ARGS: streaming, async scheduling kept on; in-flight updates need it off, which
+#          halved the engine's tokens/s at 512 sequences)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
@@ -49,6 +51,7 @@ ON_ARGS=${LONG_TAIL_ON_ARGS-"--grpo.partial.enable true --grpo.partial.over_samp
 --grpo.importance_correction truncate"}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.async_scheduling false --generator.stream_groups true"}
+STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}
 work=/tmp/long_tail  # kept while the machine is warm: the math runs resume from here
 mkdir -p "$work"
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
@@ -65,7 +68,10 @@ launch() {
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=$size
-  case $mode in on|onfp8) args+=($ON_ARGS); [ "$layout" = d ] && args+=($ON_D_ARGS) ;; esac
+  case $mode in
+    on|onfp8) args+=($ON_ARGS); [ "$layout" = d ] && args+=($ON_D_ARGS) ;;
+    stream) [ "$layout" = d ] || { echo "row $row: stream is a d mode"; return 2; }; args+=($ON_ARGS $STREAM_D_ARGS) ;;
+  esac
   case $mode in *fp8) args+=(--generator.kv_cache_dtype fp8) ;; esac
   local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
                 ${LONG_TAIL_ARGS:-})
@@ -113,7 +119,7 @@ report() {  # ROW RC GROUP
   cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window 1 "$STEPS" \
-    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
+    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "stream_d_args=$STREAM_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
 

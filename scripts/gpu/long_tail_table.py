@@ -3,7 +3,7 @@
     python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu "NVIDIA H100 80GB HBM3" [--write]
 
 Reads, in RESULTS:
-  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on/fp8/onfp8)
+  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on/fp8/onfp8/stream)
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
@@ -33,9 +33,10 @@ LAYOUTS = {"a": "colocated, 1 GPU", "b": "colocated, 2 GPUs", "d": "own-rank ncc
 BASELINE = {"a": "a", "b": "b", "d": "b"}
 """Speed-ups are against the synchronous (off) colocated row on as many GPUs."""
 SIZES = ("0.6B", "1.7B")
-MODES = ("off", "on", "fp8", "onfp8")
-OPTIONAL = ("fp8", "onfp8")
-"""Modes with the KV cache in fp8: in the table when run, never listed as missing."""
+MODES = ("off", "on", "fp8", "onfp8", "stream")
+OPTIONAL = ("fp8", "onfp8", "stream")
+"""Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates): in the table when run, never
+listed as missing."""
 TARGETS = ("Targets (issue 39): tail share <= 10% with partial rollouts on; one GPU (a-on) >= 1.4x a-off; two GPUs "
            "(the better of b-on, d-on) >= 2.0x b-off; math: held-out accuracy at step 100 within 2 standard errors.")
 

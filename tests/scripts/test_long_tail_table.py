@@ -29,7 +29,7 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
                    "--generator.sampling.max_tokens", "8")
     assert math.returncode == 0, math.stderr[-2000:]
     # the same runs under the names scripts/gpu/long_tail.sh gives its rows' results
-    for row in ("a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8"):
+    for row in ("a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream"):
         shutil.copy(runs / "tail" / "latest" / "metrics.jsonl", results / f"long_tail_{row}.jsonl")
     for mode in ("off", "on"):
         shutil.copy(runs / "math" / "latest" / "metrics.jsonl", results / f"long_tail_math_{mode}.jsonl")
@@ -43,7 +43,8 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert proc.returncode == 0, proc.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in proc.stdout.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
-    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8"}  # fp8 rows: shown when run
+    # fp8 and stream rows: shown when run
+    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream"}
     off = rows["a-0.6B-off"]
     assert off[1] == "2"  # steps 1 and 2 (step 0 left out)
     assert off[6] == "1.00x" and rows["a-0.6B-on"][6] == "1.00x"  # the same run: no speed-up
@@ -51,6 +52,7 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     tail_share, fill = (int(c.rstrip("%")) for c in off[7:9])
     assert tail_share >= 30 and fill < 50  # drawn lengths of median 6 up to 48: a real tail
     assert "Not run yet: b-0.6B-off, b-0.6B-on, d-0.6B-off, a-1.7B-off" in proc.stdout
-    assert "fp8" not in proc.stdout.split("Not run yet:")[1].split("\n")[0]  # never listed as missing
+    missing = proc.stdout.split("Not run yet:")[1].split("\n")[0]
+    assert "fp8" not in missing and "stream" not in missing  # never listed as missing
     assert "| off | 2 | " in proc.stdout and "+0.00 standard errors of the difference: within 2" in proc.stdout
     assert "Trainer at long rows: not run yet." in proc.stdout
