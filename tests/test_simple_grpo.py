@@ -79,6 +79,27 @@ def test_short_run_learns(tmp_path):
 
 
 @pytest.mark.slow
+def test_pi_old_from_the_training_forward_trains_as_the_recompute_does(tmp_path):
+    """grpo.old_logprobs train through the loop: no recompute, the same samples and steps, the mismatch and ratio
+    metrics measured on the training forward under the same names."""
+    runs = {}
+    for mode in ("recompute", "train"):
+        cfg = _config(tmp_path / mode, steps=3)
+        cfg.grpo.old_logprobs = mode
+        runs[mode] = train(cfg)
+    for got, want in zip(runs["train"], runs["recompute"], strict=True):
+        assert got.keys() == want.keys()  # the measured metrics keep their names
+        assert got["ratio_mean"] == 1.0 and got["clip_fraction"] == 0.0  # pi / pi_old of one forward
+        assert 0 < got["mismatch_mean"] < BF16_MISMATCH_MEAN and got["is_weight_mean"] == pytest.approx(1, abs=0.01)
+        assert got["recompute_s"] < 0.01  # nothing ran (the reference's KL is off)
+    # Step 0 samples from the same weights: the same rollouts. Its step differs from the recompute's only by
+    # the bf16 gap between two forwards of other batch shapes (tests/trainer: equal on fp32).
+    got, want = runs["train"][0], runs["recompute"][0]
+    assert (got["reward_mean"], got["completion_tokens"]) == (want["reward_mean"], want["completion_tokens"])
+    assert got["loss"] == pytest.approx(want["loss"], rel=0.05)
+
+
+@pytest.mark.slow
 def test_without_weight_sync_the_run_does_not_learn(tmp_path):
     cfg = _config(tmp_path, steps=STEPS)
     cfg.weight_sync.enable = False

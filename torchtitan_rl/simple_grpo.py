@@ -213,6 +213,7 @@ def train(cfg: JobConfig) -> list[dict]:
                                            grpo=cfg.grpo, max_tokens=cfg.generator.sampling.max_tokens)
             if cfg.generator.sleep != "off":  # the engine wakes at the next sync: give it the gradients' room
                 trainer.release_gradients()
+            builder.measured_in_training(batch, train)  # grpo.old_logprobs train: the gap its forward measured
             train_s = time.perf_counter() - t_train
             build_s = t_train - t_build
             # 7. log

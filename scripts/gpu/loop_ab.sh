@@ -9,6 +9,8 @@
 #   threads4     this tree, --job.host_threads 4 (the default gives one process of a 16-core one-GPU host all 16: its
 #                OpenMP pool then spins on the cores the engine's own thread needs after every CPU op)
 #   passive      this tree with OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep instead of spinning when idle)
+#   recompute    this tree, --grpo.old_logprobs recompute (pi_old by a recompute of the batch, as before the
+#                config took it from the training forward)
 #   loop_threads0  this tree, --generator.loop_threads 0 (the engine loop on job.host_threads's threads, as before
 #                generator.loop_threads; the default 1 is vLLM >= 0.32's serving rule, which vLLM 0.26 lacks)
 # LOOP_AB_GPU picks the GPU (default 0).
@@ -63,6 +65,7 @@ for name in ${LOOP_AB_ROWS:-before after}; do
     batched)     row batched . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.seeded_noise batched ;;
     threads4)    row threads4 . --generator.compile_cache_dir /tmp/loop_ab_cache --job.host_threads 4 ;;
     passive)     OMP_WAIT_POLICY=PASSIVE row passive . --generator.compile_cache_dir /tmp/loop_ab_cache ;;
+    recompute)   row recompute . --generator.compile_cache_dir /tmp/loop_ab_cache --grpo.old_logprobs recompute ;;
     loop_threads0) row loop_threads0 . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.loop_threads 0 ;;
     *)           echo "unknown row $name" ;;
   esac

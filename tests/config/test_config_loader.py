@@ -1,6 +1,8 @@
 """JobConfig from TOML and command line, in process: precedence, round trip, run_configs."""
 
 import dataclasses
+import functools
+import re
 import tomllib
 import types
 import typing
@@ -45,6 +47,25 @@ def test_expert_parallel_degree_is_checked_against_the_ranks_next_to_the_field()
     cfg.generator.parallelism.expert_parallel_degree = 2
     with pytest.raises(ValueError, match=r"^generator\.parallelism\.expert_parallel_degree: each engine holds"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"grpo.epochs": 2}, "grpo.old_logprobs: 'train' needs one optimizer step per batch (grpo.epochs and "
+                         "grpo.mini_batches 1, got 2 and 1)"),
+    ({"grpo.importance_correction": "truncate"}, "grpo.old_logprobs: 'train' has pi_old only inside the training"),
+    ({"batch_invariant_mode": True}, "batch_invariant_mode: needs grpo.old_logprobs 'recompute'"),
+    ({"generator.stream_groups": True, "weight_sync.transport": "nccl"},
+     "generator.stream_groups: overlaps the recompute of pi_old"),
+], ids=["epochs", "importance", "batch-invariant", "streaming"])
+def test_pi_old_from_the_training_forward_is_refused_where_it_would_be_wrong(fields, message):
+    cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
+    cfg.grpo.old_logprobs = "train"
+    validate(cfg)  # one optimizer step, no correction: fine
+    for path, value in fields.items():
+        *sections, name = path.split(".")
+        setattr(functools.reduce(getattr, sections, cfg), name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        validate(cfg, world_size=2)
 
 
 @pytest.mark.parametrize("name", ["cpu_tiny", "qwen3_0.6b", "qwen3_0.6b_long_tail", "qwen3_1.7b_long_tail"])

@@ -96,8 +96,9 @@ def _cpu_tiny_moe(**fields) -> JobConfig:
      "trainer.parallelism.expert_parallel_degree: Qwen3ForCausalLM has no experts to place"),
     ({"trainer__parallelism": ParallelismConfig(expert_parallel_degree=3)},
      "trainer.parallelism.expert_parallel_degree: 3 does not divide the model's 8 experts"),
+    ({"grpo__old_logprobs": "train"}, "grpo.old_logprobs: 'train' skips the recompute, which records"),
 ], ids=["replay-dense", "balance-dense", "replay-nccl", "balance-export", "lora-mlp-only", "partial", "stream",
-        "ep-dense", "ep-experts"])
+        "ep-dense", "ep-experts", "pi-old-from-training"])
 def test_what_moe_cannot_do_is_refused_naming_the_field(fields, message):
     cfg = _cpu_tiny_moe(**fields)
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -7,6 +7,9 @@ import torch
 
 from torchtitan_rl.config.job_config import GRPOConfig, LoRAConfig, ModelConfig, OptimizerConfig, ParallelismConfig
 
+from torchtitan_rl.grpo.batch import logprob_mismatch
+from torchtitan_rl.grpo.loss import importance_weights
+
 from .helpers import make_batch
 
 pytestmark = pytest.mark.bf16_numerics
@@ -162,6 +165,32 @@ def test_importance_weights_reach_the_loss(make_trainer):
     # and in each bf16 gradient, so the norm halves bit for bit too.
     assert halved["loss"] == plain["loss"] / 2
     assert halved["grad_norm"] == plain["grad_norm"] / 2
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_pi_old_from_the_training_forward_equals_the_recompute(make_trainer, ratio_level):
+    """grpo.old_logprobs train: no recompute; the step and the gap to the generator's logprobs come out as with it."""
+    batch = make_batch(seed=13)
+    grpo = GRPOConfig(ratio_level=ratio_level)
+    generator_BL = (batch.old_logprobs_BL + 0.01 * torch.randn(batch.old_logprobs_BL.shape,
+                                                                generator=torch.Generator().manual_seed(0)))
+    generator_BL = generator_BL * batch.loss_mask_BL  # what a generator reports, near the trainer's
+    fp32 = ModelConfig(dtype="float32")  # the recompute's batch shapes differ from training's: fp32 keeps them equal
+    recomputing = make_trainer(micro_batch_size=3, model_config=fp32)
+    old_BL = recomputing.token_logprobs(batch.tokens_BL, temperature=1.0) * batch.loss_mask_BL
+    want = recomputing.train_step(dataclasses.replace(batch, old_logprobs_BL=old_BL), temperature=1.0, grpo=grpo)
+    got = make_trainer(micro_batch_size=3, model_config=fp32).train_step(
+        dataclasses.replace(batch, old_logprobs_BL=None, generator_logprobs_BL=generator_BL), temperature=1.0,
+        grpo=grpo)
+    # pi_old is the recompute's up to fp32 summation order, so the step is too.
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["ratio_mean"] == 1.0 and got["clip_fraction"] == 0.0  # exactly: the ratio of a forward to itself
+    mismatch = logprob_mismatch(old_BL, generator_BL, batch.loss_mask_BL)
+    _, rho = importance_weights(old_BL, generator_BL, batch.loss_mask_BL, mode="off", cap=2.0, level=ratio_level)
+    for key, value in (mismatch | rho).items():
+        assert got[key] == pytest.approx(value, rel=1e-4), key  # gaps of ~1e-2 measured on fp32 logprobs
+    assert "mismatch_mean" not in want  # the recompute's are the builder's to report
 
 
 def test_epochs_move_the_ratio_off_one_and_clipping_engages(make_trainer):

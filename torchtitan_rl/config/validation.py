@@ -88,6 +88,9 @@ def _check_layout(cfg: JobConfig, *, world_size: int, device: str) -> None:
         cfg.generator.parallelism.check("generator.parallelism", world_size=world_size, exact=False)
     if cfg.weight_sync.transport == "server":
         check_serve(cfg)
+    if cfg.generator.stream_groups and cfg.grpo.old_logprobs != "recompute":
+        raise ValueError("generator.stream_groups: overlaps the recompute of pi_old with the tail, which "
+                         "grpo.old_logprobs 'train' does not run; set one of them back")
     if cfg.generator.stream_groups and cfg.weight_sync.transport != "nccl":
         raise ValueError(f"generator.stream_groups: groups stream from a generator on its own rank (weight_sync."
                          f"transport 'nccl'); with '{cfg.weight_sync.transport}' the trainer's ranks generate them")
@@ -251,6 +254,9 @@ def _check_batch_invariant(cfg: JobConfig) -> None:
             "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "
             "bitwise equal to the trainer's unmerged forward)"
         )
+    if cfg.grpo.old_logprobs != "recompute":
+        raise ValueError("batch_invariant_mode: needs grpo.old_logprobs 'recompute' (its no-grad forward is the one "
+                         "whose logprobs equal the generator's bit for bit)")
 
 
 def redacted_dict(cfg: JobConfig) -> dict[str, Any]:

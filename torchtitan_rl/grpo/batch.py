@@ -46,12 +46,16 @@ def pack_versions(prompt_ids: list[list[int]], versions: list[list[int]], *, len
     return versions_BL
 
 
+MISMATCH_KEYS = ("mismatch_mean", "mismatch_max", "mismatch_frac_tokens")
+"""logprob_mismatch's metrics (train_step reports the same under grpo.old_logprobs train)."""
+
+
 def logprob_mismatch(trainer_BL: torch.Tensor, generator_BL: torch.Tensor, mask_BL: torch.Tensor) -> dict[str, float]:
     """Per-token |trainer - generator| logprob over scored tokens: the sync's health signal."""
     valid = mask_BL.bool()
     diff = (trainer_BL.float().cpu() - generator_BL.float().cpu()).abs()[valid]
     if diff.numel() == 0:
-        return {"mismatch_mean": 0.0, "mismatch_max": 0.0, "mismatch_frac_tokens": 0.0}
+        return dict.fromkeys(MISMATCH_KEYS, 0.0)
     return {
         "mismatch_mean": diff.mean().item(),
         "mismatch_max": diff.max().item(),
@@ -92,14 +96,18 @@ class TrainBatch:
     """Prompt + completion token ids (long), right-padded with the pad id."""
     loss_mask_BL: torch.Tensor
     """1 where tokens_BL[:, t] is a scored completion token; column 0 is always 0."""
-    old_logprobs_BL: torch.Tensor
-    """float32 log pi_old of tokens_BL[:, t] (the ratio's reference: the trainer's recompute) at scored positions, 0 elsewhere."""
+    old_logprobs_BL: torch.Tensor | None
+    """float32 log pi_old of tokens_BL[:, t] (the ratio's reference: the trainer's recompute) at scored positions, 0
+    elsewhere; None: the training forward's own logprobs, detached (grpo.old_logprobs train)."""
     advantages_B: torch.Tensor
     """float32 advantage of each sequence."""
     ref_logprobs_BL: torch.Tensor | None = None
     """float32 reference-model logprobs, needed when grpo.kl_coef > 0."""
     is_weights_BL: torch.Tensor | None = None
     """float32 off-policy weight of each scored token (grpo.loss.importance_weights); None: no correction."""
+    generator_logprobs_BL: torch.Tensor | None = None
+    """With old_logprobs_BL None: the generator's logprobs, which train_step compares with its forward's
+    (logprob_mismatch's metrics, measured where the recompute would have)."""
     replay_routes_BLNK: torch.Tensor | None = None
     """MoE under grpo.routing_replay: int16 [B, L, MoE layers, top-k] the generator's expert choices, which the
     loss's forwards route by (-1: the trainer's router decides); None: the trainer routes itself."""

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.grpo.advantages import group_advantages
 from torchtitan_rl.grpo.batch import (
-    TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, pack_versions, routing_mismatch,
+    MISMATCH_KEYS, TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, pack_versions, routing_mismatch,
 )
 from torchtitan_rl.grpo.groups import Groups, fill_with_signal, rollout_metrics, score_groups
-from torchtitan_rl.grpo.loss import importance_weights
+from torchtitan_rl.grpo.loss import RATIO_KEYS, importance_weights, version_age_stats
 from torchtitan_rl.grpo.tasks.base import Prompt, Task
 
 
@@ -54,8 +54,9 @@ class StepBatch:
     """grpo.groups.rollout_metrics of the first draw."""
     sampling_stats: dict[str, float]
     """Dynamic sampling's counts ({} when off)."""
-    mismatch: dict[str, float]
-    """|trainer - generator| logprob over all ranks' tokens (NaN under truncated sampling)."""
+    mismatch: dict[str, float] | None
+    """|trainer - generator| logprob over all ranks' tokens (NaN under truncated sampling); None until
+    ``measured_in_training`` fills it (grpo.old_logprobs train)."""
     importance: dict[str, float]
     """Statistics of the off-policy ratio pi_old / mu over all ranks' tokens."""
     routing: dict[str, float]
@@ -118,9 +119,11 @@ class BatchBuilder:
         rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
         started = time.perf_counter()
-        ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = None
+        ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = trainer_lp_BL = None
         if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch); dense only
             trainer_lp_BL, ref_lp_BL = self._by_group(batch, rows, mask_BL)
+        elif cfg.grpo.old_logprobs == "train":  # pi_old and the mismatch come from the training forward
+            pass
         else:
             gen_routes_BLNK = None if batch.routes is None else pack_routes(batch.routes, tokens_BL.shape[1])[rows]
             replay_BLNK = gen_routes_BLNK if cfg.grpo.routing_replay else None
@@ -131,21 +134,24 @@ class BatchBuilder:
         routing = {}
         if routes_BLNK is not None and gen_routes_BLNK is not None:  # the trainer's choices vs the generator's
             routing = self._reduce_counts(routing_mismatch(routes_BLNK, gen_routes_BLNK), count="routing_tokens")
-        mismatch = self._reduce(logprob_mismatch(trainer_lp_BL, gen_lp_BL, mask_BL), mask_BL)
-        sampling = cfg.generator.sampling
-        if sampling.top_p < 1 or sampling.top_k != -1:  # the generator's logprobs are the truncated distribution's
-            mismatch = dict.fromkeys(mismatch, float("nan"))
+        mismatch = None  # grpo.old_logprobs train: train_step measures it (``mismatch_of``)
+        if trainer_lp_BL is not None:
+            mismatch = self.mismatch_of(self._reduce(logprob_mismatch(trainer_lp_BL, gen_lp_BL, mask_BL), mask_BL))
         # Partial rollouts and in-flight updates: a sequence's tokens may come from several versions; mu is each
         # token's own sampler (its generator logprob), so the correction below is per token whatever the mix.
         ages_BL = None
         if batch.versions is not None:
             ages_BL = version - pack_versions(batch.prompt_ids, batch.versions, length=tokens_BL.shape[1])[rows]
         # off-policy weight pi_old / mu of each token, capped (None: grpo.importance_correction off)
-        is_weights_BL, is_stats = importance_weights(
-            trainer_lp_BL, gen_lp_BL, mask_BL, mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
-            level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
-            ages_BT=ages_BL, max_age=self.max_age,
-        )
+        if trainer_lp_BL is not None:
+            is_weights_BL, is_stats = importance_weights(
+                trainer_lp_BL, gen_lp_BL, mask_BL, mode=cfg.grpo.importance_correction, cap=cfg.grpo.importance_cap,
+                level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
+                ages_BT=ages_BL, max_age=self.max_age,
+            )
+        else:  # grpo.old_logprobs train (correction off): train_step measures rho's statistics
+            is_weights_BL = None
+            is_stats = {} if ages_BL is None else version_age_stats(ages_BL, mask_BL, max_age=self.max_age)
         is_stats = self._reduce(is_stats, mask_BL)
         if self.reference is not None and not cfg.generator.stream_groups:  # the frozen initial policy of the KL term
             started = time.perf_counter()
@@ -154,10 +160,27 @@ class BatchBuilder:
         return StepBatch(
             drawn=drawn,
             train=TrainBatch(tokens_BL, mask_BL, trainer_lp_BL, advantages_B[rows], ref_lp_BL, is_weights_BL,
+                             generator_logprobs_BL=gen_lp_BL if trainer_lp_BL is None else None,
                              replay_routes_BLNK=replay_BLNK),
             rollout_stats=rollout_stats, sampling_stats=sampling_stats, mismatch=mismatch, importance=is_stats,
             routing=routing, recompute_s=recompute_s,
         )
+
+    def measured_in_training(self, step: StepBatch, train: dict[str, float]) -> None:
+        """grpo.old_logprobs train: move the logprob gap and the pi_old / mu statistics that train_step measured
+        on its forward (no recompute ran) out of its metrics into ``step``, where the recompute puts them."""
+        if step.mismatch is not None:
+            return
+        step.mismatch = self.mismatch_of({k: train.pop(k) for k in MISMATCH_KEYS})
+        step.importance = {**{k: train.pop(k) for k in RATIO_KEYS}, **step.importance}
+
+    def mismatch_of(self, measured: dict[str, float]) -> dict[str, float]:
+        """The generator-vs-trainer logprob metrics as logged: NaN where the generator's logprobs are those of a
+        top-p / top-k truncated distribution, which no full-vocabulary forward reproduces."""
+        sampling = self.cfg.generator.sampling
+        if sampling.top_p < 1 or sampling.top_k != -1:
+            return dict.fromkeys(measured, float("nan"))
+        return measured
 
     def _reduce_counts(self, local: dict[str, float], *, count: str) -> dict[str, float]:
         """Fractions over this rank's ``local[count]`` items -> the same fractions over all ranks' items."""

@@ -181,6 +181,10 @@ _MAX_LOG_RATIO = 20.0
 sampled at a logprob the trainer calls -inf must not make the metrics inf or the weight NaN."""
 
 
+RATIO_KEYS = ("is_weight_mean", "is_weight_max", "is_capped_frac")
+"""importance_weights's statistics of pi_old / mu (train_step reports the same under grpo.old_logprobs train)."""
+
+
 @torch.no_grad()
 def importance_weights(
     old_logprobs_BT: Tensor,
@@ -242,10 +246,20 @@ def importance_weights(
         "is_capped_frac": capped_BT.sum().item() / n,
     }
     if ages_BT is not None:
-        ages = ages_BT[mask_BT]
-        assert ages.numel() == 0 or 0 <= ages.min().item() and ages.max().item() <= max_age, (
-            "a token older than grpo.partial.max_token_age reached the loss", ages.min().item(), ages.max().item())
-        for k in range(max_age + 1):  # every age up to the bound: the keys are the same on every rank and step
-            stats[f"version_age_{k}_frac"] = (ages == k).sum().item() / n
-        stats["version_age_max"] = float(ages.max().item()) if valid else 0.0
+        stats |= version_age_stats(ages_BT, mask_BT, max_age=max_age)
     return weights_BT, stats
+
+
+def version_age_stats(ages_BT: Tensor, mask_BT: Tensor, *, max_age: int) -> dict[str, float]:
+    """``version_age_{k}_frac`` for k in 0..max_age, the share of scored tokens sampled k weight versions back,
+    and ``version_age_max``; asserts none is older than ``max_age`` (grpo.partial.max_token_age)."""
+    mask_BT = mask_BT.bool()
+    ages = ages_BT[mask_BT]
+    n = max(ages.numel(), 1)
+    assert ages.numel() == 0 or 0 <= ages.min().item() and ages.max().item() <= max_age, (
+        "a token older than grpo.partial.max_token_age reached the loss", ages.min().item(), ages.max().item())
+    stats = {}
+    for k in range(max_age + 1):  # every age up to the bound: the keys are the same on every rank and step
+        stats[f"version_age_{k}_frac"] = (ages == k).sum().item() / n
+    stats["version_age_max"] = float(ages.max().item()) if ages.numel() else 0.0
+    return stats

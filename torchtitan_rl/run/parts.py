@@ -66,6 +66,9 @@ def check_moe(cfg: JobConfig, shape) -> None:
     if shape.num_experts % ep:
         raise ValueError(f"trainer.parallelism.expert_parallel_degree: {ep} does not divide the model's "
                          f"{shape.num_experts} experts")
+    if cfg.grpo.old_logprobs != "recompute":
+        raise ValueError("grpo.old_logprobs: 'train' skips the recompute, which records the trainer's expert choices "
+                         "(routing_mismatch, grpo.routing_replay); use 'recompute' for an MoE model")
     if cfg.batch_invariant_mode:
         raise ValueError("batch_invariant_mode: not for MoE models: vLLM's fused-MoE kernels sum each token's "
                          "experts in an order that depends on the batch, and there is no batch-invariant "

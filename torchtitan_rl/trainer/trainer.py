@@ -29,7 +29,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.grpo.batch import TrainBatch
-from torchtitan_rl.grpo.loss import grpo_loss
+from torchtitan_rl.grpo.loss import grpo_loss, importance_weights
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.kernels.batch_invariant import sampler_token_logprobs
 from torchtitan_rl.models.moe import recorded, routers, routing, synced_state
@@ -46,6 +46,8 @@ from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
 
 _TOKEN_MEANS = ("clip_fraction", "clip_frac_low", "clip_frac_high", "kl", "approx_kl", "ratio_mean", "entropy")
 """grpo_loss metrics that train_step reports as token-weighted means over ranks, micro- and mini-batches."""
+_SUMS = ("loss", "tokens", *_TOKEN_MEANS, "mismatch_sum", "mismatch_tokens", "is_weight_sum")
+"""What _accumulate_gradients sums per rank and _optimizer_step over ranks."""
 
 
 class Trainer:
@@ -280,7 +282,9 @@ class Trainer:
         tokens_BL = batch.tokens_BL.to(self.device)
         mask_cpu_BL = batch.loss_mask_BL.cpu()  # the micro-batch plan is made on the host: no device syncs
         mask_BL = batch.loss_mask_BL.to(self.device)
-        old_BL = batch.old_logprobs_BL.to(self.device)
+        old_BL = batch.old_logprobs_BL.to(self.device) if batch.old_logprobs_BL is not None else None
+        assert old_BL is not None or (grpo.epochs == 1 and grpo.mini_batches == 1), "config checks grpo.old_logprobs"
+        gen_BL = batch.generator_logprobs_BL.to(self.device) if batch.generator_logprobs_BL is not None else None
         adv_B = batch.advantages_B.to(self.device)
         ref_BL = batch.ref_logprobs_BL
         ref_BL = ref_BL.to(self.device) if ref_BL is not None else None
@@ -293,22 +297,23 @@ class Trainer:
         whole = [torch.arange(tokens_BL.shape[0])]  # one mini-batch: the tensors as they are, no copies
         parts = whole if grpo.mini_batches == 1 else list(torch.arange(tokens_BL.shape[0]).tensor_split(grpo.mini_batches))
         sums: dict[str, float] = {}
-        ratio_max, grad_norms, lr = 0.0, [], self.optimizer.param_groups[0]["lr"]
+        ratio_max, mismatch_max, rho_max, grad_norms, lr = 0.0, 0.0, 0.0, [], self.optimizer.param_groups[0]["lr"]
         with deterministic_algorithms():
             for _ in range(grpo.epochs):
                 for rows in parts:
                     def take(x):
                         return x if parts is whole or x is None else x[rows.to(x.device)]
 
-                    mb_sums, mb_ratio_max, grad_norm = self._optimizer_step(
+                    mb_sums, (mb_ratio_max, mb_mismatch_max, mb_rho_max), grad_norm = self._optimizer_step(
                         take(tokens_BL), take(mask_BL), take(old_BL), take(adv_B), take(ref_BL), take(is_BL),
                         mask_cpu_BL=take(mask_cpu_BL), temperature=temperature, grpo=grpo, max_tokens=max_tokens,
-                        replay_BLNK=take(replay_BLNK),
+                        replay_BLNK=take(replay_BLNK), gen_BL=take(gen_BL),
                     )
                     if grad_norm is None:  # no scored token on any rank: no step
                         continue
                     grad_norms.append(grad_norm)
                     ratio_max = max(ratio_max, mb_ratio_max)
+                    mismatch_max, rho_max = max(mismatch_max, mb_mismatch_max), max(rho_max, mb_rho_max)
                     for key, value in mb_sums.items():
                         sums[key] = sums.get(key, 0.0) + value
             self.scheduler.step()
@@ -324,16 +329,21 @@ class Trainer:
             "tokens": tokens / len(grad_norms),
             "optimizer_steps": float(len(grad_norms)),
         }
+        if gen_BL is not None:  # what the builder measures on its recompute otherwise (its measured_in_training)
+            metrics |= {"mismatch_mean": sums["mismatch_sum"] / tokens, "mismatch_max": mismatch_max,
+                        "mismatch_frac_tokens": sums["mismatch_tokens"] / tokens,
+                        "is_weight_mean": sums["is_weight_sum"] / tokens, "is_weight_max": rho_max,
+                        "is_capped_frac": 0.0}
         return metrics
 
     def _optimizer_step(
         self, tokens_BL, mask_BL, old_BL, adv_B, ref_BL, is_BL, *, mask_cpu_BL: torch.Tensor, temperature: float,
-        grpo: GRPOConfig, max_tokens: int, replay_BLNK: torch.Tensor | None = None,
-    ) -> tuple[dict[str, float], float, float | None]:
+        grpo: GRPOConfig, max_tokens: int, replay_BLNK: torch.Tensor | None = None, gen_BL: torch.Tensor | None = None,
+    ) -> tuple[dict[str, float], tuple[float, float, float], float | None]:
         """Accumulate the gradient of one mini-batch over all ranks and step the optimizer once.
 
-        Returns the data-parallel sums of the loss and of the token-weighted metrics, the largest
-        ratio, and the gradient norm (None, and no step, when no rank has a scored token).
+        Returns the data-parallel sums (_SUMS), the largest ratio, logprob gap and pi_old / mu (with ``gen_BL``),
+        and the gradient norm (None, and no step, when no rank has a scored token).
         """
         # One normaliser for the global mini-batch: summed over micro-batches and ranks, the
         # per-micro-batch losses and gradients are the full mini-batch ones.
@@ -344,20 +354,20 @@ class Trainer:
         ]))
         num_tokens, num_sequences = (int(c) for c in counts.tolist())
         if num_tokens == 0:
-            return {}, 0.0, None
+            return {}, (0.0, 0.0, 0.0), None
         self.optimizer.zero_grad(set_to_none=True)
-        totals, ratio_max = self._accumulate_gradients(
+        totals, peaks = self._accumulate_gradients(
             tokens_BL, mask_BL, old_BL, adv_B, ref_BL,
             mask_cpu_BL=mask_cpu_BL, temperature=temperature, grpo=grpo, num_tokens=num_tokens, is_BL=is_BL,
-            num_sequences=num_sequences, max_tokens=max_tokens, replay_BLNK=replay_BLNK,
+            num_sequences=num_sequences, max_tokens=max_tokens, replay_BLNK=replay_BLNK, gen_BL=gen_BL,
         )
         grad_norm = self._clip_grad_norm()
         self.optimizer.step()
         reduced = self._dp_sum(torch.tensor(totals, dtype=torch.float64, device=self.device)).tolist()
-        peak = torch.tensor([ratio_max], dtype=torch.float64, device=self.device)
+        peak = torch.tensor(peaks, dtype=torch.float64, device=self.device)
         if self._dp_group is not None:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self._dp_group)
-        return dict(zip(("loss", "tokens", *_TOKEN_MEANS), reduced)), peak.item(), grad_norm
+        return dict(zip(_SUMS, reduced)), tuple(peak.tolist()), grad_norm
 
     def _accumulate_gradients(
         self,
@@ -375,13 +385,17 @@ class Trainer:
         num_sequences: int | None = None,
         max_tokens: int = 0,
         replay_BLNK: torch.Tensor | None = None,
-    ) -> tuple[list[float], float]:
-        """Forward/backward per micro-batch; returns this rank's metric sums and its largest ratio.
+        gen_BL: torch.Tensor | None = None,
+    ) -> tuple[list[float], list[float]]:
+        """Forward/backward per micro-batch; returns this rank's metric sums and its largest ratio,
+        generator-vs-trainer logprob gap and pi_old / mu. ``old_BL`` None: pi_old is each forward's own
+        logprobs, detached.
 
-        The sums: loss, tokens, and the token-weighted _TOKEN_MEANS.
+        The sums (_SUMS): loss, tokens, the token-weighted _TOKEN_MEANS, then with ``gen_BL`` the gap's sum, the
+        tokens where it is not 0 and the token-weighted sum of pi_old / mu (else 0).
         """
-        totals = [0.0] * (2 + len(_TOKEN_MEANS))
-        ratio_max = 0.0
+        totals = [0.0] * len(_SUMS)
+        ratio_max = mismatch_max = rho_max = 0.0
         entropy = "grad" if grpo.entropy_coef else "metric"
         for mb in self._micro_batches(mask_cpu_BL, max_tokens=self.config.micro_batch_tokens):
             if mb is None:
@@ -395,9 +409,10 @@ class Trainer:
                 logprobs_BL, entropy_BL = self._logprobs(
                     tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
                 )
+                old_mb = old_BL[rows, cols] if old_BL is not None else logprobs_BL.detach()
                 loss, m = grpo_loss(
                     logprobs_BL,
-                    old_BL[rows, cols],
+                    old_mb,
                     adv_B[rows],
                     mask_BL[rows, cols],
                     clip_eps_low=grpo.clip_eps_low,
@@ -415,10 +430,19 @@ class Trainer:
                 )
                 loss.backward()
             n = m["tokens"]
-            sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS))
+            gap = (0.0, 0.0, 0.0)
+            if gen_BL is not None:  # what the builder measures on its recompute otherwise
+                scored = mask_BL[rows, cols].bool()
+                gap_T = (old_mb - gen_BL[rows, cols]).abs()[scored]
+                _, rho = importance_weights(old_mb, gen_BL[rows, cols], scored, mode="off", cap=grpo.importance_cap,
+                                            level=grpo.ratio_level)
+                gap = (gap_T.sum().item(), (gap_T != 0).sum().item(), rho["is_weight_mean"] * n)
+                mismatch_max = max(mismatch_max, gap_T.max().item() if gap_T.numel() else 0.0)
+                rho_max = max(rho_max, rho["is_weight_max"])
+            sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS), *gap)
             totals = [t + v for t, v in zip(totals, sums)]
             ratio_max = max(ratio_max, m["ratio_max"])
-        return totals, ratio_max
+        return totals, [ratio_max, mismatch_max, rho_max]
 
     def _dp_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel ranks (tensor-parallel peers hold the same data)."""
