@@ -136,7 +136,8 @@ def main() -> None:
     results = run_modes(
         ("default", "bi"), device=device, worker_mode=args.worker_mode, worker_out=args.worker_out,
         compute=lambda mode: measure(
-            dataclasses.replace(base, batch_invariant_mode=mode == "bi"),
+            dataclasses.replace(base, batch_invariant_mode=mode == "bi",
+                                grpo=dataclasses.replace(base.grpo, old_logprobs="recompute")),
             repeats=args.repeats, out_dir=Path(args.output_dir) / mode, profile=args.profile,
         ),
     )

@@ -87,7 +87,8 @@ def main() -> int:
     results = run_modes(
         ("default", "bi"), device=device, worker_mode=args.worker_mode, worker_out=args.worker_out,
         compute=lambda mode: compare(
-            dataclasses.replace(base, batch_invariant_mode=mode == "bi"),
+            dataclasses.replace(base, batch_invariant_mode=mode == "bi",
+                                grpo=dataclasses.replace(base.grpo, old_logprobs="recompute")),
             batch_sizes=args.batch_sizes, out_dir=Path(args.output_dir) / mode,
         ),
     )

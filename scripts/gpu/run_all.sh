@@ -55,7 +55,7 @@ for name in "$@"; do
                    --json "$OUT/sync.json" ;;
     grpo)        python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT" ;;
     grpo_bi)     python3 scripts/gpu/grpo_loop.py --steps "${GRPO_STEPS:-20}" --out "$OUT/grpo_bi" \
-                   --batch_invariant_mode true ;;
+                   --batch_invariant_mode true --grpo.old_logprobs recompute ;;
     trainer)     python3 scripts/bench_trainer.py --config run_configs/qwen3_0.6b.toml ${TRAINER_ARGS:-} \
                    --json "$OUT/trainer.json" ;;
     drift)       python3 scripts/gpu/gen_drift.py --steps "${DRIFT_STEPS:-22}" --out "$OUT/drift.json" ${DRIFT_ARGS:-} ;;

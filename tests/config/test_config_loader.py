@@ -52,11 +52,10 @@ def test_expert_parallel_degree_is_checked_against_the_ranks_next_to_the_field()
 @pytest.mark.parametrize("fields, message", [
     ({"grpo.epochs": 2}, "grpo.old_logprobs: 'train' needs one optimizer step per batch (grpo.epochs and "
                          "grpo.mini_batches 1, got 2 and 1)"),
-    ({"grpo.importance_correction": "truncate"}, "grpo.old_logprobs: 'train' has pi_old only inside the training"),
     ({"batch_invariant_mode": True}, "batch_invariant_mode: needs grpo.old_logprobs 'recompute'"),
     ({"generator.stream_groups": True, "weight_sync.transport": "nccl"},
      "generator.stream_groups: overlaps the recompute of pi_old"),
-], ids=["epochs", "importance", "batch-invariant", "streaming"])
+], ids=["epochs", "batch-invariant", "streaming"])
 def test_pi_old_from_the_training_forward_is_refused_where_it_would_be_wrong(fields, message):
     cfg = load_toml(REPO / "run_configs" / "cpu_tiny.toml")
     cfg.grpo.old_logprobs = "train"

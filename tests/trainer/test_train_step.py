@@ -167,18 +167,22 @@ def test_importance_weights_reach_the_loss(make_trainer):
     assert halved["grad_norm"] == plain["grad_norm"] / 2
 
 
-@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_pi_old_from_the_training_forward_equals_the_recompute(make_trainer, ratio_level):
-    """grpo.old_logprobs train: no recompute; the step and the gap to the generator's logprobs come out as with it."""
+@pytest.mark.parametrize("ratio_level, correction", [("token", "off"), ("sequence", "off"), ("token", "truncate"),
+                                                      ("sequence", "mask")])
+def test_pi_old_from_the_training_forward_equals_the_recompute(make_trainer, ratio_level, correction):
+    """grpo.old_logprobs train: no recompute; the step (importance weights included) and the gap to the generator's
+    logprobs come out as with it."""
     batch = make_batch(seed=13)
-    grpo = GRPOConfig(ratio_level=ratio_level)
-    generator_BL = (batch.old_logprobs_BL + 0.01 * torch.randn(batch.old_logprobs_BL.shape,
-                                                                generator=torch.Generator().manual_seed(0)))
-    generator_BL = generator_BL * batch.loss_mask_BL  # what a generator reports, near the trainer's
+    grpo = GRPOConfig(ratio_level=ratio_level, importance_correction=correction, importance_cap=1.01)
     fp32 = ModelConfig(dtype="float32")  # the recompute's batch shapes differ from training's: fp32 keeps them equal
     recomputing = make_trainer(micro_batch_size=3, model_config=fp32)
     old_BL = recomputing.token_logprobs(batch.tokens_BL, temperature=1.0) * batch.loss_mask_BL
-    want = recomputing.train_step(dataclasses.replace(batch, old_logprobs_BL=old_BL), temperature=1.0, grpo=grpo)
+    noise_BL = 0.02 * torch.randn(old_BL.shape, generator=torch.Generator().manual_seed(0))
+    generator_BL = (old_BL + noise_BL) * batch.loss_mask_BL  # what a generator reports, near the trainer's
+    weights_BL, rho = importance_weights(old_BL, generator_BL, batch.loss_mask_BL, mode=correction, cap=1.01,
+                                         level=ratio_level)  # as the builder weighs with the recompute
+    want = recomputing.train_step(dataclasses.replace(batch, old_logprobs_BL=old_BL, is_weights_BL=weights_BL),
+                                  temperature=1.0, grpo=grpo)
     got = make_trainer(micro_batch_size=3, model_config=fp32).train_step(
         dataclasses.replace(batch, old_logprobs_BL=None, generator_logprobs_BL=generator_BL), temperature=1.0,
         grpo=grpo)
@@ -187,7 +191,7 @@ def test_pi_old_from_the_training_forward_equals_the_recompute(make_trainer, rat
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
     assert got["ratio_mean"] == 1.0 and got["clip_fraction"] == 0.0  # exactly: the ratio of a forward to itself
     mismatch = logprob_mismatch(old_BL, generator_BL, batch.loss_mask_BL)
-    _, rho = importance_weights(old_BL, generator_BL, batch.loss_mask_BL, mode="off", cap=2.0, level=ratio_level)
+    assert correction == "off" or 0 < rho["is_capped_frac"] < 1  # a cap of 1.01 acts on some tokens, not all
     for key, value in (mismatch | rho).items():
         assert got[key] == pytest.approx(value, rel=1e-4), key  # gaps of ~1e-2 measured on fp32 logprobs
     assert "mismatch_mean" not in want  # the recompute's are the builder's to report

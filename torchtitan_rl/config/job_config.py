@@ -371,7 +371,7 @@ class GRPOConfig:
     mini_batches: int = 1
     """Optimizer steps per pass: each rank's rows split into this many contiguous parts (whole groups where the split allows), so at most its rows (P x G / data-parallel ranks); pi_old stays the batch's start."""
     old_logprobs: Literal["recompute", "train"] = "recompute"
-    """Where pi_old comes from. recompute: a forward of the batch before training (the trainer's weights at the batch's start). train: with one optimizer step per batch (grpo.epochs and grpo.mini_batches 1) those are the weights the training forward runs with, so pi_old is its own logprobs, detached (as TRL does for one iteration): a forward of the batch fewer (the mission step's ~0.4 s recompute on an H100), the ratio exactly 1, and the generator-vs-trainer mismatch metrics measured on the training forward. Needs grpo.importance_correction off (its weights enter the loss of the same forward), a dense model (an MoE recompute records the routes) and no generator.stream_groups or batch_invariant_mode (their recomputes are what they prove or overlap)."""
+    """Where pi_old comes from. recompute: a forward of the batch before training (the trainer's weights at the batch's start). train: with one optimizer step per batch (grpo.epochs and grpo.mini_batches 1) those are the weights the training forward runs with, so pi_old is its own logprobs, detached (as TRL does for one iteration): a forward of the batch fewer (the mission step's ~0.4 s recompute on an H100), the ratio exactly 1, and the generator-vs-trainer mismatch metrics and grpo.importance_correction's weights taken from that forward. Needs a dense model (an MoE recompute records the routes) and no generator.stream_groups or batch_invariant_mode (their recomputes are what they overlap or prove)."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """token_mean: sum over tokens / tokens (DAPO); seq_mean_token_mean: mean over sequences of each one's token mean (GRPO); seq_mean_token_sum_norm: sum over tokens / (rows x generator.sampling.max_tokens), a constant, overlong-masked rows included (Dr. GRPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
@@ -409,10 +409,6 @@ class GRPOConfig:
                 raise ValueError(f"{path}.old_logprobs: 'train' needs one optimizer step per batch ({path}.epochs and "
                                  f"{path}.mini_batches 1, got {self.epochs} and {self.mini_batches}): a later step "
                                  "would train against weights that are no longer pi_old")
-            if self.importance_correction != "off":
-                raise ValueError(f"{path}.old_logprobs: 'train' has pi_old only inside the training forward, after "
-                                 f"the importance weights of {path}.importance_correction "
-                                 f"'{self.importance_correction}' are needed; use 'recompute'")
         self.partial.check(f"{path}.partial")
 
 

@@ -149,7 +149,7 @@ class BatchBuilder:
                 level=cfg.grpo.ratio_level,  # GSPO corrects whole sequences, as it clips them
                 ages_BT=ages_BL, max_age=self.max_age,
             )
-        else:  # grpo.old_logprobs train (correction off): train_step measures rho's statistics
+        else:  # grpo.old_logprobs train: train_step weighs and measures with pi_old of its own forward
             is_weights_BL = None
             is_stats = {} if ages_BL is None else version_age_stats(ages_BL, mask_BL, max_age=self.max_age)
         is_stats = self._reduce(is_stats, mask_BL)

@@ -46,7 +46,7 @@ from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
 
 _TOKEN_MEANS = ("clip_fraction", "clip_frac_low", "clip_frac_high", "kl", "approx_kl", "ratio_mean", "entropy")
 """grpo_loss metrics that train_step reports as token-weighted means over ranks, micro- and mini-batches."""
-_SUMS = ("loss", "tokens", *_TOKEN_MEANS, "mismatch_sum", "mismatch_tokens", "is_weight_sum")
+_SUMS = ("loss", "tokens", *_TOKEN_MEANS, "mismatch_sum", "mismatch_tokens", "is_weight_sum", "is_capped_sum")
 """What _accumulate_gradients sums per rank and _optimizer_step over ranks."""
 
 
@@ -333,7 +333,7 @@ class Trainer:
             metrics |= {"mismatch_mean": sums["mismatch_sum"] / tokens, "mismatch_max": mismatch_max,
                         "mismatch_frac_tokens": sums["mismatch_tokens"] / tokens,
                         "is_weight_mean": sums["is_weight_sum"] / tokens, "is_weight_max": rho_max,
-                        "is_capped_frac": 0.0}
+                        "is_capped_frac": sums["is_capped_sum"] / tokens}
         return metrics
 
     def _optimizer_step(
@@ -392,7 +392,8 @@ class Trainer:
         logprobs, detached.
 
         The sums (_SUMS): loss, tokens, the token-weighted _TOKEN_MEANS, then with ``gen_BL`` the gap's sum, the
-        tokens where it is not 0 and the token-weighted sum of pi_old / mu (else 0).
+        tokens where it is not 0 and the token-weighted sums of pi_old / mu and of its capped tokens (else 0).
+        With ``gen_BL`` the importance weights (grpo.importance_correction) come from pi_old / mu here.
         """
         totals = [0.0] * len(_SUMS)
         ratio_max = mismatch_max = rho_max = 0.0
@@ -410,6 +411,15 @@ class Trainer:
                     tokens_BL[rows, cols], temperature, mask_cpu_BL[mb.rows, cols].bool(), entropy=entropy
                 )
                 old_mb = old_BL[rows, cols] if old_BL is not None else logprobs_BL.detach()
+                is_mb = is_BL[rows, cols] if is_BL is not None else None
+                if gen_BL is not None:  # pi_old is this forward's: its correction, and what the builder would measure
+                    scored = mask_BL[rows, cols].bool()
+                    gap_T = (old_mb - gen_BL[rows, cols]).abs()[scored]
+                    is_mb, rho = importance_weights(
+                        old_mb, gen_BL[rows, cols], scored, mode=grpo.importance_correction, cap=grpo.importance_cap,
+                        level=grpo.ratio_level)
+                    mismatch_max = max(mismatch_max, gap_T.max().item() if gap_T.numel() else 0.0)
+                    rho_max = max(rho_max, rho["is_weight_max"])
                 loss, m = grpo_loss(
                     logprobs_BL,
                     old_mb,
@@ -420,7 +430,7 @@ class Trainer:
                     ref_logprobs_BT=ref_BL[rows, cols] if ref_BL is not None else None,
                     kl_coef=grpo.kl_coef,
                     num_tokens=num_tokens,
-                    is_weights_BT=is_BL[rows, cols] if is_BL is not None else None,
+                    is_weights_BT=is_mb,
                     aggregation=grpo.loss_aggregation,
                     num_sequences=num_sequences,
                     max_tokens=max_tokens or None,
@@ -430,15 +440,10 @@ class Trainer:
                 )
                 loss.backward()
             n = m["tokens"]
-            gap = (0.0, 0.0, 0.0)
-            if gen_BL is not None:  # what the builder measures on its recompute otherwise
-                scored = mask_BL[rows, cols].bool()
-                gap_T = (old_mb - gen_BL[rows, cols]).abs()[scored]
-                _, rho = importance_weights(old_mb, gen_BL[rows, cols], scored, mode="off", cap=grpo.importance_cap,
-                                            level=grpo.ratio_level)
-                gap = (gap_T.sum().item(), (gap_T != 0).sum().item(), rho["is_weight_mean"] * n)
-                mismatch_max = max(mismatch_max, gap_T.max().item() if gap_T.numel() else 0.0)
-                rho_max = max(rho_max, rho["is_weight_max"])
+            gap = (0.0, 0.0, 0.0, 0.0)
+            if gen_BL is not None:
+                gap = (gap_T.sum().item(), (gap_T != 0).sum().item(), rho["is_weight_mean"] * n,
+                       rho["is_capped_frac"] * n)
             sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS), *gap)
             totals = [t + v for t, v in zip(totals, sums)]
             ratio_max = max(ratio_max, m["ratio_max"])
