@@ -120,11 +120,10 @@ class BatchBuilder:
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
         started = time.perf_counter()
         ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = trainer_lp_BL = None
+        # grpo.old_logprobs train: no recompute (trainer_lp_BL stays None); pi_old comes from the training forward
         if cfg.generator.stream_groups:  # one group at a time, as its early groups were (prefetch); dense only
             trainer_lp_BL, ref_lp_BL = self._by_group(batch, rows, mask_BL)
-        elif cfg.grpo.old_logprobs == "train":  # pi_old and the mismatch come from the training forward
-            pass
-        else:
+        elif cfg.grpo.old_logprobs == "recompute":
             gen_routes_BLNK = None if batch.routes is None else pack_routes(batch.routes, tokens_BL.shape[1])[rows]
             replay_BLNK = gen_routes_BLNK if cfg.grpo.routing_replay else None
             trainer_lp_BL, routes_BLNK = trainer.token_logprobs_and_routes(

@@ -28,7 +28,7 @@ from torchtitan.distributed import utils as dist_utils
 
 from torchtitan_rl import compat
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig, TrainerConfig
-from torchtitan_rl.grpo.batch import TrainBatch
+from torchtitan_rl.grpo.batch import TrainBatch, logprob_mismatch
 from torchtitan_rl.grpo.loss import grpo_loss, importance_weights
 from torchtitan_rl.trainer import checkpoint
 from torchtitan_rl.kernels.batch_invariant import sampler_token_logprobs
@@ -46,7 +46,7 @@ from torchtitan_rl.trainer.micro_batches import MicroBatch, plan, row_lengths
 
 _TOKEN_MEANS = ("clip_fraction", "clip_frac_low", "clip_frac_high", "kl", "approx_kl", "ratio_mean", "entropy")
 """grpo_loss metrics that train_step reports as token-weighted means over ranks, micro- and mini-batches."""
-_SUMS = ("loss", "tokens", *_TOKEN_MEANS, "mismatch_sum", "mismatch_tokens", "is_weight_sum", "is_capped_sum")
+_SUMS = ("loss", "tokens", *_TOKEN_MEANS, "mismatch_sum", "mismatch_frac_sum", "is_weight_sum", "is_capped_sum")
 """What _accumulate_gradients sums per rank and _optimizer_step over ranks."""
 
 
@@ -331,7 +331,7 @@ class Trainer:
         }
         if gen_BL is not None:  # what the builder measures on its recompute otherwise (its measured_in_training)
             metrics |= {"mismatch_mean": sums["mismatch_sum"] / tokens, "mismatch_max": mismatch_max,
-                        "mismatch_frac_tokens": sums["mismatch_tokens"] / tokens,
+                        "mismatch_frac_tokens": sums["mismatch_frac_sum"] / tokens,
                         "is_weight_mean": sums["is_weight_sum"] / tokens, "is_weight_max": rho_max,
                         "is_capped_frac": sums["is_capped_sum"] / tokens}
         return metrics
@@ -391,8 +391,8 @@ class Trainer:
         generator-vs-trainer logprob gap and pi_old / mu. ``old_BL`` None: pi_old is each forward's own
         logprobs, detached.
 
-        The sums (_SUMS): loss, tokens, the token-weighted _TOKEN_MEANS, then with ``gen_BL`` the gap's sum, the
-        tokens where it is not 0 and the token-weighted sums of pi_old / mu and of its capped tokens (else 0).
+        The sums (_SUMS): loss, tokens, the token-weighted _TOKEN_MEANS, then with ``gen_BL`` the token-weighted
+        logprob_mismatch and importance_weights statistics (else 0).
         With ``gen_BL`` the importance weights (grpo.importance_correction) come from pi_old / mu here.
         """
         totals = [0.0] * len(_SUMS)
@@ -413,12 +413,11 @@ class Trainer:
                 old_mb = old_BL[rows, cols] if old_BL is not None else logprobs_BL.detach()
                 is_mb = is_BL[rows, cols] if is_BL is not None else None
                 if gen_BL is not None:  # pi_old is this forward's: its correction, and what the builder would measure
-                    scored = mask_BL[rows, cols].bool()
-                    gap_T = (old_mb - gen_BL[rows, cols]).abs()[scored]
+                    gap = logprob_mismatch(old_mb, gen_BL[rows, cols], mask_BL[rows, cols])
                     is_mb, rho = importance_weights(
-                        old_mb, gen_BL[rows, cols], scored, mode=grpo.importance_correction, cap=grpo.importance_cap,
-                        level=grpo.ratio_level)
-                    mismatch_max = max(mismatch_max, gap_T.max().item() if gap_T.numel() else 0.0)
+                        old_mb, gen_BL[rows, cols], mask_BL[rows, cols], mode=grpo.importance_correction,
+                        cap=grpo.importance_cap, level=grpo.ratio_level)
+                    mismatch_max = max(mismatch_max, gap["mismatch_max"])
                     rho_max = max(rho_max, rho["is_weight_max"])
                 loss, m = grpo_loss(
                     logprobs_BL,
@@ -440,11 +439,11 @@ class Trainer:
                 )
                 loss.backward()
             n = m["tokens"]
-            gap = (0.0, 0.0, 0.0, 0.0)
+            measured = (0.0, 0.0, 0.0, 0.0)  # token-weighted, as the recompute's means are over all tokens
             if gen_BL is not None:
-                gap = (gap_T.sum().item(), (gap_T != 0).sum().item(), rho["is_weight_mean"] * n,
-                       rho["is_capped_frac"] * n)
-            sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS), *gap)
+                measured = tuple(d[key] * n for d, key in ((gap, "mismatch_mean"), (gap, "mismatch_frac_tokens"),
+                                                           (rho, "is_weight_mean"), (rho, "is_capped_frac")))
+            sums = (m["loss"], n, *(m[key] * n for key in _TOKEN_MEANS), *measured)
             totals = [t + v for t, v in zip(totals, sums)]
             ratio_max = max(ratio_max, m["ratio_max"])
         return totals, [ratio_max, mismatch_max, rho_max]
