@@ -3,6 +3,7 @@ with the RSS growth from before the Trainer to after its first optimizer step an
 
 import gc
 import json
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -24,9 +25,15 @@ def rss() -> int:
     raise AssertionError("no VmRSS")
 
 
-def one_step(cfg: JobConfig, shape) -> Trainer:
+BUILD_PEAK = [0]
+"""The process's peak RSS once the measured Trainer is built (its first step not taken yet)."""
+
+
+def one_step(cfg: JobConfig, shape, *, measure_build: bool = False) -> Trainer:
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
                       output_dir=Path(tempfile.mkdtemp()))
+    if measure_build:
+        BUILD_PEAK[0] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
     tokens_BL = torch.randint(1, min(1000, shape.vocab_size), (2, 16))
     mask_BL = torch.zeros(2, 16)
     mask_BL[:, 8:] = 1
@@ -47,10 +54,11 @@ def main(flavor: str, master_dtype: str) -> None:
     one_step(JobConfig(model=ModelConfig(flavor="tiny", vocab_size=16), trainer=cfg.trainer), tiny)
     gc.collect()
     before = rss()
-    trainer = one_step(cfg, shape)  # held until the RSS is read
+    trainer = one_step(cfg, shape, measure_build=True)  # held until the RSS is read
     after = rss()
     del trainer
-    print(json.dumps({"measured": after - before, "estimate": est.trainer_resident, "summary": est.summary()}))
+    print(json.dumps({"measured": after - before, "estimate": est.trainer_resident, "summary": est.summary(),
+                      "build_measured": BUILD_PEAK[0] - before, "build_estimate": est.trainer_build}))
 
 
 if __name__ == "__main__":

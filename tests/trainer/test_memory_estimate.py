@@ -6,12 +6,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torchtitan.config import ParallelismConfig as TitanParallelismConfig
 
 from tests.helpers import REPO, assert_one_line_error, run_cli
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.config.job_config import GeneratorConfig, ModelConfig, TrainerConfig
 from torchtitan_rl.run.memory import GIB, check_fits, count_parameters, estimate, one_line_oom
 from torchtitan_rl.models.families import resolve_shape
+from torchtitan_rl.models.shape import titan_config
+from torchtitan_rl.trainer.build import build_model
 
 WORKER = Path(__file__).with_name("memory_worker.py")
 
@@ -20,7 +24,8 @@ WORKER = Path(__file__).with_name("memory_worker.py")
 @pytest.mark.parametrize("master_dtype", ["float32", "bfloat16"])
 def test_trainer_estimate_matches_measured_rss(master_dtype):
     """RSS growth from before the Trainer to after its first step (weights, gradients, AdamW state and what a step
-    leaves: the tokens, the allocator's slack) is at least the estimate and at most 15% + 256 MiB above it."""
+    leaves: the tokens, the allocator's slack) is at least the estimate and at most 15% + 256 MiB above it; the
+    build's peak likewise (20% + 64 MiB)."""
     # glibc's mmap threshold fixed at its 128 KiB default: left dynamic, it rises once big tensors are freed and
     # later freed ones stay resident, so the RSS varied from run to run (docs/design.md, "incidents").
     proc = subprocess.run([sys.executable, str(WORKER), "smollm2-135m", master_dtype], cwd=REPO,
@@ -29,6 +34,9 @@ def test_trainer_estimate_matches_measured_rss(master_dtype):
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["estimate"] <= got["measured"] <= 1.15 * got["estimate"] + (256 << 20), got
+    # The build's peak: with bfloat16 masters one float32 block at a time (a whole float32 model first measured
+    # 568 MiB against this estimate's 324).
+    assert got["build_estimate"] <= got["build_measured"] <= 1.2 * got["build_estimate"] + (64 << 20), got
 
 
 def test_qwen3_sizes_are_counted_exactly():
@@ -101,3 +109,44 @@ def test_the_activation_terms_bound_the_measured_peaks():
         for phase in ("train", "recompute"):
             measured, estimated = got[phase], got[f"{phase}_estimate"]
             assert measured <= estimated <= 1.25 * measured + (8 << 20), (phase, got)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_the_block_by_block_build_draws_the_whole_float32_models_values(flavor):
+    """trainer/build.py brings one block at a time to the device and casts it to the master dtype after its init:
+    the same values as torchtitan's whole-model float32 init cast after (tied embeddings stay tied)."""
+    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=0, max_seq_len=64)
+    with torch.device("meta"):
+        whole = titan_config(shape).build()
+    whole.to_empty(device="cpu")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        whole.init_states(buffer_device=torch.device("cpu"))
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(shape, seed=3, device=torch.device("cpu"), parallelism=TitanParallelismConfig(),
+                            dtype=dtype)
+        params = dict(model.named_parameters())
+        assert params.keys() == dict(whole.named_parameters()).keys()
+        for name, p in whole.named_parameters():
+            assert params[name].dtype == (dtype if name.startswith("layers.") else torch.float32), name
+            assert torch.equal(p.to(params[name].dtype), params[name]), name
+        for name, b in whole.named_buffers():
+            assert torch.equal(b, dict(model.named_buffers())[name]), name
+        assert (model.tok_embeddings.weight is model.lm_head.weight) == shape.tie_word_embeddings
+
+
+def test_the_build_of_a_30b_moe_on_four_80gb_gpus_is_counted():
+    """scripts/gpu/moe.sh's a3b_4gpu row: every rank builds the whole model before FSDP keeps its shard, in bf16
+    masters 57 GiB plus a float32 block and the embeddings (a whole float32 model, 114 GiB, ran out of memory on
+    4 H100s); the build is part of the peak."""
+    shape = resolve_shape(flavor="30B-A3B", hf_checkpoint=None, vocab_size=0, max_seq_len=256)
+    cfg = JobConfig(model=ModelConfig(flavor="30B-A3B", max_seq_len=256),
+                    generator=GeneratorConfig(gpu_memory_utilization=0.8, sleep="weights", max_model_len=256),
+                    trainer=TrainerConfig(master_dtype="bfloat16", cpu_offload=True))
+    est = estimate(cfg, shape, world_size=4, device_total=80 * GIB, role="colocated")
+    assert 57 * GIB < est.trainer_build < 62 * GIB and f"build {est.trainer_build / GIB:.1f};" in est.summary()
+    check_fits(est, free=79 * GIB, device="cuda:0")
+    cfg.trainer.cpu_offload, cfg.generator.gpu_memory_utilization = False, 0.1
+    cfg.trainer.master_dtype = "float32"
+    est = estimate(cfg, shape, world_size=8, device_total=80 * GIB, role="colocated")
+    assert est.peak == est.trainer_build > 114 * GIB  # the build alone refuses it

@@ -170,6 +170,9 @@ class MemoryEstimate:
     + backward, the gradients it writes included (``activation_bytes``)."""
     train_tokens: int
     """Tokens of that micro-batch."""
+    trainer_build: int
+    """The trainer's build, before FSDP keeps this rank's shard: the whole model in the master dtype plus one float32
+    block (trainer/build.py; 0 where each rank reads only its shard of HF weights)."""
     trainer_recompute: int
     """The logprob recompute's peak (a no-grad forward of its largest micro-batch), while the engine is awake."""
     recompute_tokens: int
@@ -245,7 +248,7 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        return max(self.generate_peak, self.score_peak, self.train_peak)
+        return max(self.generate_peak, self.score_peak, self.train_peak, self.trainer_build)
 
     def summary(self) -> str:
         """One line for the start of a run."""
@@ -258,7 +261,7 @@ class MemoryEstimate:
                 f"{g(self.trainer_params)} + grads {g(self.trainer_grads)} + AdamW {g(self.trainer_adam)} + "
                 f"reference {g(self.trainer_reference)} GiB on {where}, gathered blocks {g(self.trainer_gathered)}, "
                 f"activations {g(self.trainer_activations)} (micro-batch of {self.train_tokens} tokens; recompute "
-                f"{g(self.trainer_recompute)}, {self.recompute_tokens} tokens);")
+                f"{g(self.trainer_recompute)}, {self.recompute_tokens} tokens), build {g(self.trainer_build)};")
         if self.role != "trainer":
             parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + CUDA graphs "
                          f"{g(self.engine_graphs)} + KV cache {g(self.kv_bytes)}: at most {self.kv_tokens} tokens, "
@@ -278,6 +281,13 @@ def trainer_ranks(cfg: JobConfig, world_size: int) -> int:
                          if cfg.weight_sync.transport == "nccl" else 0)
 
 
+def build_bytes(shape: ModelShape, *, params: int, block: int, master: int) -> int:
+    """trainer/build.py's peak: the decoder blocks in the master dtype and one of them in float32 (its init), the
+    embeddings, final norm and output layer in float32 (cast after the blocks)."""
+    blocks = shape.num_hidden_layers * block
+    return blocks * master + (params - blocks + block) * _BYTES["float32"]
+
+
 def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total: int, role: str) -> MemoryEstimate:
     """The estimate for one rank of ``role`` in a run of ``world_size`` processes (a validated config)."""
     params, trainable, block = count_parameters(shape, cfg.model.lora)
@@ -295,6 +305,9 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
     asleep = SLEEP_LEVELS[cfg.generator.sleep] > 0
     step_rows = max(1, rows // cfg.grpo.mini_batches)
     offload = cfg.trainer.cpu_offload and on_cuda
+    # trainer/build.py's condition for reading HF weights shard by shard onto a model that was never whole
+    sharded_load = (cfg.model.hf_checkpoint is not None and not cfg.model.lora.rank and not cfg.batch_invariant_mode
+                    and not shape.moe)
     grads = -(-trainable * master // shards)
     return MemoryEstimate(
         params=params, trainable=trainable, shards=shards, master_dtype=cfg.trainer.master_dtype, offload=offload,
@@ -304,6 +317,8 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         trainer_activations=activation_bytes(cfg, shape, rows=step_rows, recompute=False,
                                              grads=0 if offload else grads),
         train_tokens=micro_batch_tokens(cfg, rows=step_rows),
+        trainer_build=0 if role == "generator" or sharded_load else build_bytes(shape, params=params, block=block,
+                                                                                master=master),
         trainer_recompute=activation_bytes(cfg, shape, rows=rows, recompute=True),
         recompute_tokens=micro_batch_tokens(cfg, rows=rows, recompute=True),
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,

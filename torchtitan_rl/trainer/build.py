@@ -1,6 +1,7 @@
 """Build the trainer's model: torchtitan's decoder from a seed or HF weights, LoRA, batch-invariant kernels,
 activation checkpointing, then FSDP2/TP/EP through torchtitan's parallelize (trainer/trainer.py calls it once)."""
 
+import functools
 from pathlib import Path
 
 import torch
@@ -50,8 +51,11 @@ def build_parallel_model(
     # Not for MoE: its HF experts are one tensor each, stacked per layer (a whole-model load does that).
     sharded_hf_load = (sharded_hf_load and model_config.hf_checkpoint is not None
                        and not model_config.lora.rank and not batch_invariant and not shape.moe)
+    # bf16 masters: each block is cast right after its init (LoRA's and batch-invariant mode's changes to a block
+    # read its dtype, so those models are cast whole below, as every model was before).
+    early_cast = config.master_dtype == "bfloat16" and not model_config.lora.rank and not batch_invariant
     model = build_model(shape, seed=seed, device=torch.device("meta") if sharded_hf_load else device,
-                        parallelism=titan_parallelism)
+                        parallelism=titan_parallelism, dtype=torch.bfloat16 if early_cast else torch.float32)
     if model_config.hf_checkpoint is not None and not sharded_hf_load:
         load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
     if batch_invariant:
@@ -133,9 +137,11 @@ def shard_with_expert_mesh(model: torch.nn.Module, *, parallel_dims: ParallelDim
 
 
 def build_model(
-    shape: ModelShape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig
+    shape: ModelShape, *, seed: int, device: torch.device, parallelism: TitanParallelismConfig,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build."""
+    """build_titan_model, plus the tensor-parallel sharding plan torchtitan reads at build; the decoder blocks'
+    parameters in ``dtype``, initialized in float32 (the same values as a float32 model cast after)."""
     config = titan_config(shape)
     tp, ep = parallelism.tensor_parallel_degree, parallelism.expert_parallel_degree
     if tp > 1 and shape.num_key_value_heads % tp:
@@ -152,11 +158,30 @@ def build_model(
         )
     with torch.device("meta"):
         model = config.build()
-    model.to_empty(device=device)
+    # The blocks come to the device one at a time, inside torchtitan's init (its order of init calls, so the same
+    # random values): the device holds the model in ``dtype`` plus one float32 block, not the whole model in float32
+    # (30B-A3B: 122 GB, more than an 80 GB GPU, before FSDP keeps a rank's shard).
+    model.to_empty(device=device, recurse=False)
+    for name, child in model.named_children():
+        if name != "layers":
+            child.to_empty(device=device)
+    for block in model.layers.values():
+        block.init_states = functools.partial(_init_block, block, block.init_states, device=device, dtype=dtype)
     torch.manual_seed(seed)
     with torch.no_grad():
         model.init_states(buffer_device=device)
+    for block in model.layers.values():
+        del block.init_states  # back to the class's method
     return model
+
+
+def _init_block(block: torch.nn.Module, init_states, *, device: torch.device, dtype: torch.dtype, **kwargs) -> None:
+    """One decoder block materialized on ``device``, initialized by torchtitan's ``init_states``, then cast."""
+    block.to_empty(device=device)
+    init_states(**kwargs)
+    if dtype != torch.float32:
+        for param in block.parameters():
+            param.data = param.data.to(dtype)
 
 
 
