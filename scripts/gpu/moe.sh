@@ -11,6 +11,8 @@
 #             (scripts/bench_weight_sync.py -> section "Weight sync, MoE (cuda)")
 #   a3b_4gpu  the same on four GPUs: FSDP over 4 trainer ranks (bf16 masters offloaded: fp32 ones need ~153 GiB a GPU
 #             by run/memory.py's estimate, refused up front), a colocated engine per GPU asleep while the trainer steps
+#   small_2gpu, small_2gpu_ep  small on two GPUs (two ranks, FSDP), then with expert parallelism over them (32 of
+#             the 64 experts a rank): EP on a two-GPU kind, where no four-GPU kind is lent
 #   a3b_4gpu_ep  a3b_4gpu with expert parallelism over the 4 ranks (trainer.parallelism.expert_parallel_degree 4:
 #             each rank computes 32 of the 128 experts, tokens moved by all-to-all)
 # Each row: MOE_STEPS steps (default 10) within MOE_TIMEOUT seconds (default 540: one row fits a 10-minute device
@@ -46,6 +48,9 @@ for r in $ROWS; do
     small)    row small 1 --model.flavor debugmodel_moe --grpo.prompts_per_step 16 --grpo.group_size 8 ;;
     small_r3) row small_r3 1 --model.flavor debugmodel_moe --grpo.prompts_per_step 16 --grpo.group_size 8 \
                 --grpo.routing_replay true ;;
+    small_2gpu)    row small_2gpu 2 --model.flavor debugmodel_moe --grpo.prompts_per_step 16 --grpo.group_size 8 ;;
+    small_2gpu_ep) row small_2gpu_ep 2 --model.flavor debugmodel_moe --grpo.prompts_per_step 16 --grpo.group_size 8 \
+                     --trainer.parallelism.expert_parallel_degree 2 ;;
     a3b_1gpu) row a3b_1gpu 1 --model.flavor 30B-A3B --grpo.prompts_per_step 8 --grpo.group_size 8 \
                 --trainer.master_dtype bfloat16 --trainer.cpu_offload true --generator.sleep weights \
                 --generator.gpu_memory_utilization "$UTIL" --trainer.activation_checkpoint full ;;

@@ -13,7 +13,9 @@ from bench_common import write_section  # noqa: E402
 ROWS = {"small": "debugmodel_moe, 1 GPU", "small_r3": "debugmodel_moe, 1 GPU, routing replay",
         "a3b_1gpu": "Qwen3-30B-A3B shape, 1 GPU (offload, engine asleep)",
         "a3b_4gpu": "Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)",
-        "a3b_4gpu_ep": "Qwen3-30B-A3B shape, 4 GPUs, expert parallel 4 (FSDP, offload, engine asleep)"}
+        "a3b_4gpu_ep": "Qwen3-30B-A3B shape, 4 GPUs, expert parallel 4 (FSDP, offload, engine asleep)",
+        "small_2gpu": "debugmodel_moe, 2 GPUs (FSDP)",
+        "small_2gpu_ep": "debugmodel_moe, 2 GPUs, expert parallel 2 (FSDP)"}
 SECTION = "Mixture of experts (cuda)"
 
 
