@@ -182,7 +182,7 @@ class Engine:
         if config.load_format == "auto":
             model_dir = model_config.hf_checkpoint
         elif compiled and config.compile_cache_dir and tokenizer_dir is None:
-            model_dir = cached_model_folder(config.compile_cache_dir, shape)
+            model_dir = cached_model_folder(config.compile_cache_dir, shape, device=torch.device(device))
         else:
             model_dir = Path(workdir) / "generator_model"
             model_dir.mkdir(parents=True, exist_ok=True)

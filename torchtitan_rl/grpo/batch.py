@@ -52,7 +52,7 @@ MISMATCH_KEYS = ("mismatch_mean", "mismatch_max", "mismatch_frac_tokens")
 
 def logprob_mismatch(trainer_BL: torch.Tensor, generator_BL: torch.Tensor, mask_BL: torch.Tensor) -> dict[str, float]:
     """Per-token |trainer - generator| logprob over scored tokens: the sync's health signal."""
-    valid = mask_BL.bool()
+    valid = mask_BL.bool().cpu()  # the trainer's mask is on its GPU (grpo.old_logprobs train), the builder's not
     diff = (trainer_BL.float().cpu() - generator_BL.float().cpu()).abs()[valid]
     if diff.numel() == 0:
         return dict.fromkeys(MISMATCH_KEYS, 0.0)
