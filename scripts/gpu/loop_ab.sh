@@ -11,8 +11,9 @@
 #   passive      this tree with OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep instead of spinning when idle)
 #   recompute    this tree, --grpo.old_logprobs recompute (pi_old by a recompute of the batch, as before the
 #                config took it from the training forward)
-#   loop_threads0  this tree, --generator.loop_threads 0 (the engine loop on job.host_threads's threads, as before
-#                generator.loop_threads; the default 1 is vLLM >= 0.32's serving rule, which vLLM 0.26 lacks)
+#   loop_threads1  this tree, --generator.loop_threads 1 (torch's intra-op pool at one thread while the engine loop
+#                runs: vLLM >= 0.32's serving rule; the default 0 keeps job.host_threads's count). Raw files named
+#                loop_threads0 are of the days when 1 was the default and this row set 0.
 # LOOP_AB_GPU picks the GPU (default 0).
 # Prints the host's thread facts (affinity, cgroup quota, NVML GPUs, torch's default) and one line per row: median
 # step, median/min/max generate, median train over the steps after the first; raw metrics to $OUT/loop_ab_<row>.jsonl.
@@ -66,7 +67,7 @@ for name in ${LOOP_AB_ROWS:-before after}; do
     threads4)    row threads4 . --generator.compile_cache_dir /tmp/loop_ab_cache --job.host_threads 4 ;;
     passive)     OMP_WAIT_POLICY=PASSIVE row passive . --generator.compile_cache_dir /tmp/loop_ab_cache ;;
     recompute)   row recompute . --generator.compile_cache_dir /tmp/loop_ab_cache --grpo.old_logprobs recompute ;;
-    loop_threads0) row loop_threads0 . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.loop_threads 0 ;;
+    loop_threads1) row loop_threads1 . --generator.compile_cache_dir /tmp/loop_ab_cache --generator.loop_threads 1 ;;
     *)           echo "unknown row $name" ;;
   esac
 done

@@ -260,11 +260,11 @@ class GeneratorConfig:
     """auto: the KV cache in the model's dtype; fp8: in float8 (vLLM's kv_cache_dtype, scales of 1): half the bytes, so twice the tokens in the same memory and half the KV reads of a long-context decode step (the long tail's bound, docs/benchmarks.md), at the cost of a larger gap between the generator's logprobs and the trainer's (grpo.importance_correction sees it). Not in batch_invariant_mode. vLLM's CPU backend needs AVX-512 or AMX and head_dim a multiple of 32."""
     seeded_noise: Literal["vllm", "batched"] = "vllm"
     """How a GPU engine draws each sample's seeded noise every decode step (every sample is its own seeded request): vllm: vLLM's sampler, a kernel per sample (512 a step at the mission's batch); batched: one kernel for all, each row from its seed and draw count (kernels/seeded_noise.py): a seed gives the same samples in any layout, but other samples than with vllm. Process-wide. CPU engines sample as vLLM's CPU backend does either way."""
-    loop_threads: int = 1
-    """torch's intra-op threads while a GPU engine's loop runs (a generate), restored after: 1 is vLLM >= 0.32's
-    serving rule (the loop's CPU ops are small, and an OpenMP team of job.host_threads threads spin-waits after each
-    on the cores the loop's own thread needs); 0: keep job.host_threads's count. CPU engines compute with the
-    process's threads either way."""
+    loop_threads: int = 0
+    """torch's intra-op threads while a GPU engine's loop runs (a generate), restored after; 0: keep job.host_threads's
+    count. 1 is vLLM >= 0.32's serving rule (an OpenMP team spin-waiting after each small CPU op of the loop), but
+    under vLLM 0.26 on one H100 it made the mission's generate slower, not faster (docs/benchmarks.md). CPU engines
+    compute with the process's threads either way."""
     max_model_len: int = 64
     """Longest prompt + completion vLLM accepts."""
     max_num_seqs: int = 256
