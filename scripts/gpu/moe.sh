@@ -33,6 +33,7 @@ row() {  # name, world size, args...
   local name=$1 world=$2; shift 2
   if [ "$world" -gt "$GPUS" ]; then echo "$name: needs $world GPUs, this machine has $GPUS" > "$RES/$name.refused"; return; fi
   local start=$(date +%s)
+  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1) x$GPUS" > "$RES/$name.machine"
   if [ "$world" -eq 1 ]; then
     timeout "$LIMIT" python -m torchtitan_rl.simple_grpo "${COMMON[@]}" --job.output_dir "$RES/$name" "$@" > "$RES/$name.log" 2>&1
   else

@@ -40,20 +40,26 @@ def table(res: Path, device: str) -> str:
              "scripts/gpu/results/moe/.", "",
              "Routing mismatch: the share of tokens whose top-k experts differ between the generator's forward and the "
              "trainer's recompute in any layer, then per (token, layer).", "",
-             "| row | engine | steps | step s | generate s | train s | sync s | routing mismatch: tokens / layers "
-             "| reward first -> last | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| row | machine | engine | steps | step s | generate s | train s | sync s | routing mismatch: tokens / "
+             "layers | reward first -> last | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, what in ROWS.items():
-        refused, note = res / f"{name}.refused", res / f"{name}.note"
+        refused, note, printed = res / f"{name}.refused", res / f"{name}.note", res / f"{name}_row.txt"
+        machine = (res / f"{name}.machine").read_text().strip() if (res / f"{name}.machine").is_file() else device
         recs = metrics(res / name)
+        if not recs and printed.is_file():  # the row as the device printed it, its run folder not brought back
+            cells = printed.read_text().strip().split("|")[2:-1]
+            lines.append(f"| {what} | {machine} |{'|'.join(cells[:-1])}| {cells[-1].strip()}: printed, no run folder |")
+            continue
         if not recs:
             said = refused if refused.is_file() else note  # a note: what became of a row whose metrics are not here
             why = said.read_text().strip().splitlines()[-1] if said.is_file() else "not run"
-            lines.append(f"| {what} | | 0 | | | | | | | {why[:160]} |")
+            lines.append(f"| {what} | {machine if said.is_file() else ''} | | 0 | | | | | | | {why[:160]} |")
             continue
         later = recs[1:] or recs
         med = lambda key: statistics.median(r[key] for r in later)  # noqa: E731
-        lines.append(f"| {what} | {engine(res / name)} | {len(recs)} | {med('step_s'):.2f} | {med('generate_s'):.2f} | "
+        lines.append(f"| {what} | {machine} | {engine(res / name)} | {len(recs)} | {med('step_s'):.2f} | "
+                     f"{med('generate_s'):.2f} | "
                      f"{med('train_s'):.2f} | {med('sync_s'):.3f} | "
                      f"{med('routing_mismatch'):.4f} / {med('routing_mismatch_layers'):.4f} | "
                      f"{recs[0]['reward_mean']:.3f} -> {recs[-1]['reward_mean']:.3f} | "
