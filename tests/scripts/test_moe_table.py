@@ -25,18 +25,26 @@ def test_rows_from_real_run_folders_and_the_next_section_kept(tmp_path):
     lines = text.splitlines()
     a3b = next(line for line in lines if line.startswith("| Qwen3-30B-A3B shape, 4 GPUs"))
     cells = [c.strip() for c in a3b.split("|")[1:-1]]
-    assert cells[1] in ("eager", "CUDA graphs") and int(cells[2]) >= 2 and cells[-1] == "ok"
-    tokens, layers = (float(x) for x in cells[7].split(" / "))
+    assert cells[1] == "NVIDIA H200 x4"  # no .machine file beside these rows: the --device given
+    assert cells[2] in ("eager", "CUDA graphs") and int(cells[3]) >= 2 and cells[-1] == "ok"
+    tokens, layers = (float(x) for x in cells[8].split(" / "))
     assert 0 <= layers <= tokens <= 1  # a token differs in some layer whenever a (token, layer) pair differs
     assert any(line.startswith("| Qwen3-30B-A3B shape, 1 GPU") and "not run" in line for line in lines)
 
 
-def test_a_row_without_metrics_shows_its_note_and_graph_rows_say_so():
-    proc = subprocess.run([sys.executable, str(TABLE), str(RESULTS), "--device", "NVIDIA H200 x4"],
+def test_each_row_names_its_machine_and_a_row_without_its_folder_is_shown_as_printed():
+    proc = subprocess.run([sys.executable, str(TABLE), str(RESULTS), "--device", "?"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rows = {c[0]: c for c in ([x.strip() for x in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
                               if line.startswith("| debugmodel") or line.startswith("| Qwen3"))}
-    assert rows["debugmodel_moe, 1 GPU"][1] == "CUDA graphs" and rows["debugmodel_moe, 1 GPU"][-1] == "ok"
+    assert all(len(cells) == 11 for cells in rows.values())
+    one = rows["debugmodel_moe, 1 GPU"]
+    assert one[1:3] == ["NVIDIA H200 x4", "CUDA graphs"] and one[-1] == "ok"
+    ep = rows["debugmodel_moe, 2 GPUs, expert parallel 2 (FSDP)"]  # a run folder from 2 H200s
+    assert ep[1] == "NVIDIA H200 x2" and int(ep[3]) == 10 and ep[-1] == "ok"
+    # a3b_4gpu: its folder did not come back; the row is the device's own line, said so
+    printed = [c.strip() for c in (RESULTS / "a3b_4gpu_row.txt").read_text().split("|")[2:-1]]
     lost = rows["Qwen3-30B-A3B shape, 4 GPUs (FSDP, offload, engine asleep)"]
-    assert lost[2] == "0" and lost[-1] == (RESULTS / "a3b_4gpu.note").read_text().strip()
+    assert lost[1] == "NVIDIA H200 x4" and lost[2:-1] == printed[:-1] and lost[-1] == "ok: printed, no run folder"
+    assert rows["Qwen3-30B-A3B shape, 1 GPU (offload, engine asleep)"][-1] == "not run"
