@@ -317,8 +317,9 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         trainer_activations=activation_bytes(cfg, shape, rows=step_rows, recompute=False,
                                              grads=0 if offload else grads),
         train_tokens=micro_batch_tokens(cfg, rows=step_rows),
-        trainer_build=0 if role == "generator" or sharded_load else build_bytes(shape, params=params, block=block,
-                                                                                master=master),
+        trainer_build=0 if role == "generator" or sharded_load else build_bytes(
+            shape, params=params, block=block,  # LoRA and batch-invariant models are built whole in float32
+            master=_BYTES["float32"] if cfg.model.lora.rank or cfg.batch_invariant_mode else master),
         trainer_recompute=activation_bytes(cfg, shape, rows=rows, recompute=True),
         recompute_tokens=micro_batch_tokens(cfg, rows=rows, recompute=True),
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,
