@@ -363,6 +363,27 @@ def unfinished_outputs(engine) -> dict[str, tuple[list[int], list[float]]]:
     return out
 
 
+def check_pause_scheduling(engine) -> None:
+    """ValueError in one line unless ``pause_scheduling`` works on this in-process ``LLMEngine`` (checked when the
+    engine is built, not at the first sync of a running generate)."""
+    try:
+        from vllm.v1.core.sched.interface import PauseState  # noqa: F401
+    except ImportError:
+        PauseState = None
+    if PauseState is None or not hasattr(engine.engine_core.engine_core.scheduler, "set_pause_state"):
+        raise ValueError("generator.async_scheduling: this vLLM's scheduler cannot pause (PauseState), which "
+                         "generator.inflight_updates needs with async scheduling on; set it false")
+
+
+def pause_scheduling(engine, paused: bool) -> None:
+    """An in-process ``LLMEngine``'s scheduler schedules no token while paused, and a step still collects the batch in
+    flight (async scheduling): the engine drains to an iteration boundary with its requests kept. vLLM 0.26 and 0.32:
+    ``Scheduler.set_pause_state`` (PAUSED_ALL, UNPAUSED)."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    engine.engine_core.engine_core.scheduler.set_pause_state(PauseState.PAUSED_ALL if paused else PauseState.UNPAUSED)
+
+
 def unfinished_counts(engine) -> dict[str, int]:
     """How many tokens each request ``unfinished_outputs`` would list has so far (nothing copied)."""
     return {getattr(state, "external_req_id", None) or state.request_id: len(state.detokenizer.output_token_ids)

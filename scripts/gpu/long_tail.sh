@@ -16,8 +16,8 @@
 #          $LONG_TAIL_ON_D_ARGS (default: in-flight weight updates and streaming, own-rank layout only; the bound
 #          3 = 2 x grpo.max_staleness + 1) | fp8, onfp8: off, on with the KV cache in fp8 (generator.kv_cache_dtype:
 #          half the KV bytes a long-context decode step reads) | stream (d rows): on without in-flight updates
-#          ($LONG_TAIL_STREAM_D_ARGS: streaming, async scheduling kept on; in-flight updates need it off, which
-#          halved the engine's tokens/s at 512 sequences)
+#          ($LONG_TAIL_STREAM_D_ARGS: streaming only). Both keep async scheduling on (in-flight updates drain the
+#          iteration in flight before a sync; on 2026-11-27 they turned it off, which halved the engine's tokens/s)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
@@ -50,7 +50,7 @@ TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
 ON_ARGS=${LONG_TAIL_ON_ARGS-"--grpo.partial.enable true --grpo.partial.over_sample 64 --grpo.partial.max_token_age 2 \
 --grpo.importance_correction truncate"}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
---generator.async_scheduling false --generator.stream_groups true"}
+--generator.stream_groups true"}
 STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}
 work=/tmp/long_tail  # kept while the machine is warm: the math runs resume from here
 mkdir -p "$work"

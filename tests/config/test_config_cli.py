@@ -150,8 +150,6 @@ def test_bad_cli_value_names_the_field(args, expected):
         (["--grpo.partial.enable", "--weight_sync.enable", "false"], 1, "grpo.partial.enable: its bound counts"),
         (["--grpo.partial.over_sample", "-1"], 1, "grpo.partial.over_sample: must be >= 0"),
         (["--generator.inflight_updates"], 1, "generator.inflight_updates: a sync lands in a running generate"),
-        (["--generator.inflight_updates", "--weight_sync.transport", "nccl"], 2,
-         "generator.async_scheduling: must be false with generator.inflight_updates"),
         (["--generator.stream_groups"], 1, "generator.stream_groups: groups stream from a generator on its own rank"),
         (["--grpo.clip_eps_high", "1.0"], 1, "grpo.clip_eps_high: must be in [0, 1)"),
         (["--grpo.clip_eps_low", "-0.1"], 1, "grpo.clip_eps_low: must be in [0, 1)"),

@@ -10,10 +10,11 @@ import torch
 
 from tests.helpers import NOISE_FACTOR, PROMPTS, SEPARATION, make_generator, native_state, reference_logprobs, \
     trainer_model
+from torchtitan_rl import compat
 from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, ModelConfig, WeightSyncConfig
 from torchtitan_rl.engine.engine import Engine, continue_seed, sample_seed
 from torchtitan_rl.engine.lengths import response_length
-from torchtitan_rl.engine.rollouts import PartialRequest, Rollouts
+from torchtitan_rl.engine.rollouts import PartialRequest, Rollouts, SyncPoint
 from torchtitan_rl.grpo.batch import pack_rollouts, pack_versions
 from torchtitan_rl.grpo.loss import importance_weights
 from torchtitan_rl.models.families import resolve_shape
@@ -133,32 +134,42 @@ def test_a_request_whose_groups_are_already_done_samples_nothing(engine):
     assert out.trace.iterations == 0
 
 
-@pytest.fixture(scope="module")
-def inflight(tmp_path_factory):
-    """An engine with in-flight updates (async scheduling off) whose contexts hold a whole KV block of prompt
-    (vLLM's CPU block is 128 tokens, and only whole blocks are cached), serving version 0; two models."""
+@pytest.fixture(scope="module", params=[False, True], ids=["async_off", "async_on"])
+def inflight(request, tmp_path_factory):
+    """An engine with in-flight updates, async scheduling off and on, whose contexts hold a whole KV block of
+    prompt (vLLM's CPU block is 128 tokens, and only whole blocks are cached), serving version 0; two models."""
     shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=LONG + 2 * MAX_TOKENS)
-    gen = Engine(GeneratorConfig(inflight_updates=True, async_scheduling=False, max_model_len=LONG + MAX_TOKENS),
+    gen = Engine(GeneratorConfig(inflight_updates=True, async_scheduling=request.param,
+                                 max_model_len=LONG + MAX_TOKENS),
                  model_config=ModelConfig(), shape=shape, seed=0, device="cpu",
                  workdir=tmp_path_factory.mktemp("inflight"))
     a, b = build_titan_model(shape, seed=1), build_titan_model(shape, seed=2)
     sync = WeightSync(WeightSyncConfig(), reference=native_state(a), generator=gen)
     sync.sync(native_state(a), version=0)
     gen.test_sync = sync
-    return gen, a, b
+    return gen, a, b, request.param
 
 
 def test_an_inflight_sync_lands_between_two_iterations_and_later_tokens_carry_the_new_version(inflight):
-    inflight, a, b = inflight
-    steps = []
+    inflight, a, b, async_scheduling = inflight
+    asked, in_flight_when_due = [], []
 
-    def between_steps():
-        steps.append(inflight.weight_version)
-        if len(steps) == 3:  # after the third engine step: the prompt's prefill and two decodes
-            inflight.test_sync.sync(native_state(b), version=1)
+    def pending() -> bool:  # due after the third engine step: the prompt's prefill and two decodes
+        asked.append(inflight.weight_version)
+        due = len(asked) >= 3 and inflight.weight_version == 0
+        if due:
+            in_flight_when_due.append(compat.batches_in_flight(inflight.engine))
+        return due
 
-    out = inflight.generate(LONG_PROMPTS, n=1, seed=4, between_steps=between_steps)
-    assert out.weight_version == 0 and out.finished is None and steps[:4] == [0, 0, 0, 1]
+    def apply() -> None:
+        assert not compat.batches_in_flight(inflight.engine)  # no iteration straddles the sync
+        inflight.test_sync.sync(native_state(b), version=1)
+
+    out = inflight.generate(LONG_PROMPTS, n=1, seed=4, between_steps=SyncPoint(pending=pending, apply=apply))
+    assert out.weight_version == 0 and out.finished is None and asked[:3] == [0, 0, 0] and asked[-1] == 1
+    # With async scheduling the next iteration was already scheduled when the sync came due: the engine paused its
+    # scheduling, collected that batch, then synced (one step later); without it the step boundary was free.
+    assert in_flight_when_due == ([True, False] if async_scheduling else [False])
     for prompt, completion, lps, versions in zip(out.prompt_ids, out.completion_ids, out.logprobs, out.versions):
         k = versions.count(0)
         assert len(completion) == MAX_TOKENS and versions == [0] * k + [1] * (MAX_TOKENS - k) and 0 < k < MAX_TOKENS

@@ -20,12 +20,12 @@ CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 SHORT = {"trainer.steps": 3, "grpo.prompts_per_step": 8, "weight_sync.transport": "nccl", "batch_invariant_mode": "true"}
 """One trainer rank + one generator rank, batch-invariant: per-group and whole-batch recomputes are equal bits."""
 TAIL = {"trainer.steps": 5, "weight_sync.transport": "nccl", "grpo.max_staleness": 1,
-        "generator.inflight_updates": "true", "generator.async_scheduling": "false", "generator.stream_groups": "true",
+        "generator.inflight_updates": "true", "generator.stream_groups": "true",
         "grpo.partial.enable": "true", "grpo.partial.over_sample": 2, "grpo.partial.max_token_age": 3,
         "grpo.prompts_per_step": 8, "generator.max_num_seqs": 4, "generator.sampling.max_tokens": 48,
         "grpo.task_without_checkpoint": "digits:repeat_first", "grpo.harness_lengths.distribution": "lognormal",
         "grpo.harness_lengths.median": 32, "grpo.harness_lengths.p90": 44, "grpo.importance_correction": "truncate"}
-"""2 trainer ranks + 1 generator rank, asynchronous, with every feature on. A request's 80 samples run to drawn
+"""2 trainer ranks + 1 generator rank, asynchronous, with every feature on (async scheduling too). A request's 80 samples run to drawn
 lengths of ~32 tokens (the timing harness: eos ignored), 4 at a time: far longer for the generator than a step
 of 64 rows for the trainer, so each step's sync is posted while the generator is in the middle of the next
 request."""

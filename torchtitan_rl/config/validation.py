@@ -98,9 +98,6 @@ def _check_layout(cfg: JobConfig, *, world_size: int, device: str) -> None:
         if cfg.weight_sync.transport != "nccl":
             raise ValueError(f"generator.inflight_updates: a sync lands in a running generate on the generator's own "
                              f"rank (weight_sync.transport 'nccl'); got '{cfg.weight_sync.transport}'")
-        if cfg.generator.async_scheduling:
-            raise ValueError("generator.async_scheduling: must be false with generator.inflight_updates (vLLM keeps "
-                             "the next iteration scheduled while one runs, so no step boundary is free of one)")
     if cfg.generator.sleep != "off" and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"generator.sleep: '{cfg.generator.sleep}' frees a colocated engine's memory while the "
                          f"trainer steps; weight_sync.transport '{cfg.weight_sync.transport}' has none, set it off")

@@ -26,7 +26,7 @@ from torchtitan_rl.distributed.threads import intra_op_threads
 from torchtitan_rl.engine.in_process import build_llm_engine
 from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.engine.moe import RouteLog
-from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts
+from torchtitan_rl.engine.rollouts import Done, PartialRequest, Rollouts, SyncPoint
 from torchtitan_rl.engine.trace import TraceRecorder
 from torchtitan_rl.engine.compile_cache import cached_model_folder
 from torchtitan_rl.models.shape import ModelShape
@@ -214,6 +214,8 @@ class Engine:
             enable_sleep_mode=config.sleep != "off",
         )
         self.model = compat.vllm_model(self.engine)
+        if config.inflight_updates and config.async_scheduling:  # a sync drains the batch in flight (generate)
+            compat.check_pause_scheduling(self.engine)
         self._route_log: RouteLog | None = None
         """MoE: each request's expert choices, filed after every forward (engine/moe.py)."""
         if self.model.routes is not None:
@@ -364,7 +366,7 @@ class Engine:
         first_prompt: int = 0,
         lengths: HarnessLengthsConfig | None = None,
         partial: PartialRequest | None = None,
-        between_steps: Callable[[], None] | None = None,
+        between_steps: SyncPoint | None = None,
         on_group: Callable[[int, Rollouts], None] | None = None,
     ) -> Rollouts:
         """Sample ``n`` completions per prompt; group-contiguous output order.
@@ -378,9 +380,9 @@ class Engine:
         partial-rollouts request (grpo.partial, engine/rollouts.py): each
         sample continues from its tokens so far, seeded by its group's number,
         and the generate stops by the request's rule, returning the samples it
-        cut with the others (``Rollouts.finished``). ``between_steps``: called
-        after every engine step, when no iteration is in flight
-        (generator.inflight_updates: an own-rank replica applies a sync there).
+        cut with the others (``Rollouts.finished``). ``between_steps``: syncs
+        applied between two engine steps, when no iteration is in flight
+        (generator.inflight_updates: an own-rank replica's, SyncPoint).
         ``on_group(i, rollouts)``: called once prompt i's ``n`` samples have all
         finished, with them (generator.stream_groups: a replica posts them).
         """
@@ -442,6 +444,7 @@ class Engine:
                 if not left[g] and all(rid is None for rid, _ in requests[g * n:(g + 1) * n]):
                     on_group(g, rows(g * n, (g + 1) * n))
         trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs)
+        paused = False  # a sync waits for the batch in flight (async scheduling): nothing new is scheduled
         try:
             # vLLM's per-token objects (docs/design.md); the loop's small CPU ops on one thread (loop_threads).
             with collector.paused(), intra_op_threads(self._loop_threads):
@@ -464,9 +467,19 @@ class Engine:
                         cut.update(compat.unfinished_outputs(self.engine))  # LLMEngine reports nothing it aborts
                         compat.abort_requests(self.engine, sorted(self._running))
                         self._running = {}
-                    if between_steps is not None:
-                        between_steps()
+                    if between_steps is not None and between_steps.pending():
+                        if compat.batches_in_flight(self.engine):  # the next step collects it, schedules nothing
+                            if not paused:
+                                compat.pause_scheduling(self.engine, True)
+                                paused = True
+                        else:
+                            between_steps.apply()
+                            if paused:
+                                compat.pause_scheduling(self.engine, False)
+                                paused = False
         finally:
+            if paused:
+                compat.pause_scheduling(self.engine, False)
             self._running = None
         assert self._version == version or self.config.inflight_updates, "weights changed during generation"
         with self._cond:

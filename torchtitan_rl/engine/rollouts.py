@@ -4,6 +4,7 @@ It lives with the engine, the lowest package that makes rollouts, so that grpo/ 
 downward (rollout/base.py re-exports it with the loop's interface).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchtitan_rl.engine.trace import EngineTrace
@@ -93,6 +94,17 @@ class Rollouts:
             finished=finished,
             generated=None if all(p.generated is None for p in parts) else sum(p.generated_tokens() for p in parts),
         )
+
+
+@dataclass
+class SyncPoint:
+    """generator.inflight_updates: how Engine.generate lands syncs between two engine iterations of a generate."""
+
+    pending: Callable[[], bool]
+    """Whether a sync waits (read after every engine step)."""
+    apply: Callable[[], None]
+    """Receive and apply the syncs that wait, called once no iteration is in flight: with async scheduling the
+    engine first stops scheduling and collects the batch in flight (compat.pause_scheduling), then resumes."""
 
 
 @dataclass

@@ -50,6 +50,7 @@ from torchtitan_rl import compat
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.distributed.world import World
 from torchtitan_rl.engine.engine import Engine
+from torchtitan_rl.engine.rollouts import SyncPoint
 from torchtitan_rl.models.shape import ModelShape
 from torchtitan_rl.weight_sync.nccl_receiver import NcclReceiver
 from torchtitan_rl.weight_sync.store import store_value
@@ -156,7 +157,9 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
             assert op == "generate", op
             between_steps = None
             if cfg.generator.inflight_updates:  # a sync posted meanwhile lands between two engine steps
-                between_steps = functools.partial(_sync_in_flight, receiver, mailbox, cfg.weight_sync.peer_timeout_s)
+                between_steps = SyncPoint(
+                    pending=functools.partial(_sync_waits, mailbox),
+                    apply=functools.partial(_sync_in_flight, receiver, mailbox, cfg.weight_sync.peer_timeout_s))
             on_group = None
             if request.pop("stream", False):  # generator.stream_groups: each group as soon as it is finished
                 on_group = functools.partial(_post_group, mailbox, request=served, first=request["first_prompt"])
@@ -177,10 +180,16 @@ def _post_group(mailbox: Mailbox, group: int, rollouts, *, request: int, first: 
     mailbox.put("group", {"request": request, "group": first + group, "rollouts": rollouts})
 
 
+def _sync_waits(mailbox: Mailbox) -> bool:
+    """generator.inflight_updates: a sync is at the head of the mailbox (a "generate" at the head waits: it was
+    posted before the syncs behind it)."""
+    return (message := mailbox.peek("msg")) is not None and message["op"] == "sync"
+
+
 def _sync_in_flight(receiver: NcclReceiver, mailbox: Mailbox, timeout_s: float) -> None:
     """generator.inflight_updates: the syncs at the head of the mailbox, received now, between two engine steps
-    of the generate in progress (a "generate" at the head waits: it was posted before them)."""
-    while (message := mailbox.peek("msg")) is not None and message["op"] == "sync":
+    of the generate in progress."""
+    while _sync_waits(mailbox):
         mailbox.get("msg", "request")
         _receive(receiver, mailbox, timeout_s)
 
