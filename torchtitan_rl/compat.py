@@ -50,6 +50,14 @@ def batches_in_flight(engine) -> bool:
     return bool(engine.engine_core.engine_core.batch_queue)
 
 
+def forward_in_flight(engine) -> bool:
+    """Whether a batch in flight (``batches_in_flight``) runs the model: a scheduler that schedules nothing (paused,
+    ``pause_scheduling``) may still queue empty batches, which touch no weight (vLLM 0.26 and 0.32: the queue's
+    entries carry their SchedulerOutput second; no queue without async scheduling)."""
+    queue = engine.engine_core.engine_core.batch_queue or ()  # None without async scheduling
+    return any(entry[1].total_num_scheduled_tokens > 0 for entry in queue)
+
+
 def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
     """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
     {request id: preemptions so far} of the waiting ones that were preempted). A preempted request goes back

@@ -468,7 +468,7 @@ class Engine:
                         compat.abort_requests(self.engine, sorted(self._running))
                         self._running = {}
                     if between_steps is not None and between_steps.pending():
-                        if compat.batches_in_flight(self.engine):  # the next step collects it, schedules nothing
+                        if compat.forward_in_flight(self.engine):  # the next step collects it, schedules nothing
                             if not paused:
                                 compat.pause_scheduling(self.engine, True)
                                 paused = True
