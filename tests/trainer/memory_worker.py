@@ -3,7 +3,6 @@ with the RSS growth from before the Trainer to after its first optimizer step an
 
 import gc
 import json
-import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -18,22 +17,28 @@ from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.trainer import TrainBatch, Trainer
 
 
-def rss() -> int:
+def status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
+
+
+def rss() -> int:
+    return status_bytes("VmRSS")
 
 
 BUILD_PEAK = [0]
-"""The process's peak RSS once the measured Trainer is built (its first step not taken yet)."""
+"""The process's peak RSS while the measured Trainer is built (its first step not taken yet)."""
 
 
 def one_step(cfg: JobConfig, shape, *, measure_build: bool = False) -> Trainer:
+    if measure_build:  # the peak so far (imports, a first step's compile in a fresh checkout) is not the build's
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     trainer = Trainer(cfg.trainer, model_config=cfg.model, shape=shape, seed=0, device=torch.device("cpu"),
                       output_dir=Path(tempfile.mkdtemp()))
     if measure_build:
-        BUILD_PEAK[0] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        BUILD_PEAK[0] = status_bytes("VmHWM")
     tokens_BL = torch.randint(1, min(1000, shape.vocab_size), (2, 16))
     mask_BL = torch.zeros(2, 16)
     mask_BL[:, 8:] = 1
