@@ -5,6 +5,9 @@ both with torchtitan 0.3.0. Importing this module patches what torchtitan
 0.3.0 needs on torch 2.11, so import it before torchtitan. The patches that change how an
 in-process vLLM engine behaves (its process groups, its CPU scheduling) live with their user,
 engine/in_process.py.
+
+Long: by the project's rule every call that depends on a torch, torchtitan or vLLM version is here, one small
+function each, so a version bump is read and changed in one file.
 """
 
 import contextlib
