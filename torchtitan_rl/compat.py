@@ -377,11 +377,7 @@ def unfinished_outputs(engine) -> dict[str, tuple[list[int], list[float]]]:
 def check_pause_scheduling(engine) -> None:
     """ValueError in one line unless ``pause_scheduling`` works on this in-process ``LLMEngine`` (checked when the
     engine is built, not at the first sync of a running generate)."""
-    try:
-        from vllm.v1.core.sched.interface import PauseState  # noqa: F401
-    except ImportError:
-        PauseState = None
-    if PauseState is None or not hasattr(engine.engine_core.engine_core.scheduler, "set_pause_state"):
+    if not hasattr(engine.engine_core.engine_core.scheduler, "set_pause_state"):  # it takes vLLM's PauseState
         raise ValueError("generator.async_scheduling: this vLLM's scheduler cannot pause (PauseState), which "
                          "generator.inflight_updates needs with async scheduling on; set it false")
 

@@ -17,6 +17,7 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.engine.engine import SLEEP_LEVELS
 from torchtitan_rl.models.lora import apply_lora
 from torchtitan_rl.models.shape import ModelShape, titan_config
+from torchtitan_rl.trainer.build import block_dtype, reads_hf_shards
 
 GIB = 1 << 30
 
@@ -282,8 +283,8 @@ def trainer_ranks(cfg: JobConfig, world_size: int) -> int:
 
 
 def build_bytes(shape: ModelShape, *, params: int, block: int, master: int) -> int:
-    """trainer/build.py's peak: the decoder blocks in the master dtype and one of them in float32 (its init), the
-    embeddings, final norm and output layer in float32 (cast after the blocks)."""
+    """trainer/build.py's peak: the decoder blocks in ``master`` bytes (block_dtype) and one of them in float32 (its
+    init), the embeddings, final norm and output layer in float32 (cast after the blocks)."""
     blocks = shape.num_hidden_layers * block
     return blocks * master + (params - blocks + block) * _BYTES["float32"]
 
@@ -305,9 +306,6 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
     asleep = SLEEP_LEVELS[cfg.generator.sleep] > 0
     step_rows = max(1, rows // cfg.grpo.mini_batches)
     offload = cfg.trainer.cpu_offload and on_cuda
-    # trainer/build.py's condition for reading HF weights shard by shard onto a model that was never whole
-    sharded_load = (cfg.model.hf_checkpoint is not None and not cfg.model.lora.rank and not cfg.batch_invariant_mode
-                    and not shape.moe)
     grads = -(-trainable * master // shards)
     return MemoryEstimate(
         params=params, trainable=trainable, shards=shards, master_dtype=cfg.trainer.master_dtype, offload=offload,
@@ -317,9 +315,10 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         trainer_activations=activation_bytes(cfg, shape, rows=step_rows, recompute=False,
                                              grads=0 if offload else grads),
         train_tokens=micro_batch_tokens(cfg, rows=step_rows),
-        trainer_build=0 if role == "generator" or sharded_load else build_bytes(
-            shape, params=params, block=block,  # LoRA and batch-invariant models are built whole in float32
-            master=_BYTES["float32"] if cfg.model.lora.rank or cfg.batch_invariant_mode else master),
+        trainer_build=0 if role == "generator" or reads_hf_shards(
+            cfg.model, shape=shape, batch_invariant=cfg.batch_invariant_mode) else build_bytes(
+            shape, params=params, block=block,
+            master=block_dtype(cfg.trainer.master_dtype, cfg.model, batch_invariant=cfg.batch_invariant_mode).itemsize),
         trainer_recompute=activation_bytes(cfg, shape, rows=rows, recompute=True),
         recompute_tokens=micro_batch_tokens(cfg, rows=rows, recompute=True),
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,

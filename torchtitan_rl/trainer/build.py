@@ -44,18 +44,12 @@ def build_parallel_model(
         expert_parallel_degree=parallel_dims.ep,
         spmd_backend="partial_dtensor",
     )
-    # Every rank builds the whole fp32 model from the same seed (or HF
-    # weights), then parallelize keeps each rank's shard: init is world-size free.
-    # HF weights overwrite every parameter, so the model may start on the meta device and each
-    # rank read only its shard (not with LoRA, whose adapters are drawn on the whole model).
-    # Not for MoE: its HF experts are one tensor each, stacked per layer (a whole-model load does that).
-    sharded_hf_load = (sharded_hf_load and model_config.hf_checkpoint is not None
-                       and not model_config.lora.rank and not batch_invariant and not shape.moe)
-    # bf16 masters: each block is cast right after its init (LoRA's and batch-invariant mode's changes to a block
-    # read its dtype, so those models are cast whole below, as every model was before).
-    early_cast = config.master_dtype == "bfloat16" and not model_config.lora.rank and not batch_invariant
+    # Every rank builds the whole model from the same seed (or HF weights), then parallelize keeps each rank's
+    # shard: init is world-size free.
+    sharded_hf_load = sharded_hf_load and reads_hf_shards(model_config, shape=shape, batch_invariant=batch_invariant)
     model = build_model(shape, seed=seed, device=torch.device("meta") if sharded_hf_load else device,
-                        parallelism=titan_parallelism, dtype=torch.bfloat16 if early_cast else torch.float32)
+                        parallelism=titan_parallelism,
+                        dtype=block_dtype(config.master_dtype, model_config, batch_invariant=batch_invariant))
     if model_config.hf_checkpoint is not None and not sharded_hf_load:
         load_hf_weights(model, shape=shape, hf_dir=model_config.hf_checkpoint)
     if batch_invariant:
@@ -112,6 +106,24 @@ def build_parallel_model(
             model.init_states(buffer_device=device)  # the RoPE buffers; the weights come next
         load_hf_weights_sharded(model, shape=shape, hf_dir=model_config.hf_checkpoint)
     return model, compile_, chunk_tokens
+
+
+def reads_hf_shards(model_config: ModelConfig, *, shape: ModelShape, batch_invariant: bool) -> bool:
+    """Whether each rank may read only its shard of the HF weights onto a model that starts on the meta device
+    (HF weights overwrite every parameter). Not with LoRA, whose adapters are drawn on the whole model, nor in
+    batch-invariant mode; not for MoE: its HF experts are one tensor each, stacked per layer (a whole-model load
+    does that). run/memory.py counts the build by it too."""
+    return (model_config.hf_checkpoint is not None and not model_config.lora.rank and not batch_invariant
+            and not shape.moe)
+
+
+def block_dtype(master_dtype: str, model_config: ModelConfig, *, batch_invariant: bool) -> torch.dtype:
+    """The dtype build_model casts each decoder block to right after its init: bfloat16 masters' own, except where
+    LoRA's or batch-invariant mode's changes to a block read its dtype (those models are cast whole after, as every
+    model was before). run/memory.py counts the build by it too."""
+    if master_dtype == "bfloat16" and not model_config.lora.rank and not batch_invariant:
+        return torch.bfloat16
+    return torch.float32
 
 
 def shard_with_expert_mesh(model: torch.nn.Module, *, parallel_dims: ParallelDims, training: TrainingConfig) -> None:
@@ -182,7 +194,6 @@ def _init_block(block: torch.nn.Module, init_states, *, device: torch.device, dt
     if dtype != torch.float32:
         for param in block.parameters():
             param.data = param.data.to(dtype)
-
 
 
 def checkpoint_forward(block: torch.nn.Module) -> None:
