@@ -73,3 +73,12 @@ def test_level_1_keeps_the_weights_and_generate_wakes_the_engine(generator):
     out = generator.generate(PROMPTS, n=1, seed=0)  # an evaluation before the next sync
     assert not generator.asleep and out.weight_version == 5
     assert_serves(out, model)
+
+
+def test_close_wakes_an_engine_asleep_before_shutting_it_down(generator):
+    """Last in this file: it shuts the module's engine down. vLLM's allocator frees a tensor by unmapping its
+    memory, which sleep already unmapped (CUDA "invalid argument" at exit on a GPU): close wakes it first."""
+    generator.sleep(2)
+    assert generator.engine.is_sleeping()
+    generator.close()
+    assert not generator.asleep and not generator.engine.is_sleeping()

@@ -278,7 +278,10 @@ class Engine:
         return bool(self._sleeping)
 
     def close(self) -> None:
-        """Shut the engine down now rather than whenever it is garbage-collected."""
+        """Shut the engine down now rather than whenever it is garbage-collected. An engine asleep wakes first:
+        vLLM's allocator unmaps a freed tensor's memory, which sleep already unmapped (a CUDA "invalid argument"
+        line per tensor pool at exit); the wake takes the room the next step's wake would."""
+        self.wake()
         compat.shutdown_engine(self.engine)
 
     @property
