@@ -31,7 +31,10 @@
 # LONG_TAIL_ARGS adds overrides to every loop row (e.g. "--job.device cpu --model.flavor tiny ..." for a CPU
 # rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S
 # (default 540: a device call is at most 600 s) and keeps the steps it logged; the table counts steps from 1 on
-# (step 0 compiles). Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
+# (step 0 compiles; 2 on for d rows with partial rollouts: their first two requests carry no group and each
+# generates a whole over-sampled pool). A row longer than one call: LONG_TAIL_CHECKPOINT=N saves every N steps
+# (keep 1), and the next call on the same warm machine with LONG_TAIL_RESUME=1 (and the same settings) resumes
+# each a/b/d row from its last checkpoint (/tmp/long_tail), its metrics.jsonl continuing (every step once). Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
 # long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
 # (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
 # log; and $OUT/benchmarks.md with the section scripts/gpu/long_tail_table.py makes from this call's results.
@@ -73,8 +76,14 @@ launch() {
     stream) [ "$layout" = d ] || { echo "row $row: stream is a d mode"; return 2; }; args+=($ON_ARGS $STREAM_D_ARGS) ;;
   esac
   case $mode in *fp8) args+=(--generator.kv_cache_dtype fp8) ;; esac
-  local common=(--trainer.steps "$STEPS" --trainer.checkpoint.enable false --job.output_dir "$work/$row"
-                ${LONG_TAIL_ARGS:-})
+  local common=(--trainer.steps "$STEPS" --job.output_dir "$work/$row" ${LONG_TAIL_ARGS:-})
+  if [ "${LONG_TAIL_CHECKPOINT:-0}" != 0 ]; then
+    common+=(--trainer.checkpoint.enable true --trainer.checkpoint.interval "$LONG_TAIL_CHECKPOINT"
+             --trainer.checkpoint.keep_latest 1)
+  else
+    common+=(--trainer.checkpoint.enable false)
+  fi
+  if [ "${LONG_TAIL_RESUME:-0}" = 1 ] && [[ $layout =~ ^[abd]$ ]]; then common+=(--resume); fi
   case $layout in
     a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
          --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;

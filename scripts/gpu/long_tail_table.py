@@ -7,9 +7,12 @@ Reads, in RESULTS:
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
-Each row's numbers are over its steps from WARMUP on (step 0 compiles the trainer and its first wave has
-no unfinished samples to carry; a row cut by the call's time before step 1 shows step 0, marked 0*):
-throughput = completion tokens / step wall, summed over those steps; the
+Each row's numbers are over its steps from its warm-up on (warmup(): step 0 compiles the trainer and its first
+wave has no unfinished samples to carry; with partial rollouts in the asynchronous layout d the first
+grpo.max_staleness + 1 = 2 requests carry none, and each generates a whole over-sampled pool); a row cut by the
+call's time before then shows what it logged, its step count marked * (warm-up only).
+Throughput = trained completion tokens / step wall, summed over those steps: over-sampled tokens count when
+they train, not when they are generated (generated / trained says how many more the engine sampled); the
 tail share and batch fill are step means, the idle shares idle seconds over wall seconds (definitions:
 docs/design.md, "The long tail"; generator idle counts the engine's wait before each step's batch, so after a
 longer step it can pass 100%).
@@ -29,6 +32,8 @@ from bench_common import table, write_section  # noqa: E402
 
 WARMUP = 1
 """Steps left out at the start."""
+PARTIAL = ("on", "onfp8", "stream")
+"""Modes with partial rollouts on (scripts/gpu/long_tail.sh's LONG_TAIL_ON_ARGS)."""
 LAYOUTS = {"a": "colocated, 1 GPU", "b": "colocated, 2 GPUs", "d": "own-rank nccl, async, 1 + 1 GPUs"}
 BASELINE = {"a": "a", "b": "b", "d": "b"}
 """Speed-ups are against the synchronous (off) colocated row on as many GPUs."""
@@ -52,18 +57,27 @@ def evals(path: Path) -> list[dict]:
     return [r for r in lines if "eval_accuracy" in r]
 
 
-def row_numbers(records: list[dict]) -> dict | None:
-    """A row's numbers over its steps from WARMUP on, or its step 0 alone (marked 0*: compile included) when the
-    call's time ended before step 1; None if it logged no step."""
-    kept = [r for r in records if r["step"] >= WARMUP] or records[:1]
+def warmup(layout: str, mode: str) -> int:
+    """Steps left out of a row: WARMUP, and in layout d (grpo.max_staleness 1) with partial rollouts one more:
+    request 1 is built while request 0 runs, so neither carries a group and both generate a whole pool."""
+    return WARMUP + 1 if layout == "d" and mode in PARTIAL else WARMUP
+
+
+def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
+    """A row's numbers over its steps from ``skip`` on, or over the ones it logged (their count marked *: warm-up
+    only) when the call's time ended before then; None if it logged no step."""
+    kept = [r for r in records if r["step"] >= skip]
+    warm = not kept
+    kept = kept or records
     if not kept:
         return None
     wall = sum(r["step_s"] for r in kept)
+    trained = sum(r.get("tokens", r["completion_tokens"]) for r in kept)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in kept)  # noqa: E731
     return {
-        "steps": len(kept) if kept[0]["step"] >= WARMUP else "0*", "step_s": wall / len(kept),
+        "steps": f"{len(kept)}*" if warm else len(kept), "step_s": wall / len(kept),
         "generate_s": mean("generate_s"), "train_s": mean("train_s"),
-        "tokens_per_s": sum(r["completion_tokens"] for r in kept) / wall,
+        "tokens_per_s": trained / wall, "generated": sum(r["completion_tokens"] for r in kept) / trained,
         "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
         "preemptions": mean("gen_preemptions"),
         "trainer_idle": sum(r["wait_rollouts_s"] for r in kept) / wall,
@@ -78,8 +92,10 @@ def tail_table(results: Path) -> str:
         for size in SIZES:
             for mode in MODES:
                 path = results / f"long_tail_{layout}-{size}-{mode}.jsonl"
-                numbers[layout, size, mode] = row_numbers(steps(path)) if path.is_file() else None
-    header = ["row", "layout", "steps", "step s", "generate s", "train s", "tokens/s", "x sync", "tail share",
+                numbers[layout, size, mode] = (row_numbers(steps(path), skip=warmup(layout, mode))
+                                               if path.is_file() else None)
+    header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
+              "x sync", "tail share",
               "batch fill", "preemptions", "trainer idle", "generator idle", "mean / max length"]
     rows, missing = [], []
     for size in SIZES:
@@ -94,7 +110,7 @@ def tail_table(results: Path) -> str:
                 base = numbers[BASELINE[layout], size, "off"]
                 speedup = f"{n['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
                 rows.append([name, where, n["steps"], f"{n['step_s']:.1f}", f"{n['generate_s']:.1f}",
-                             f"{n['train_s']:.1f}", f"{n['tokens_per_s']:,.0f}", speedup,
+                             f"{n['train_s']:.1f}", f"{n['tokens_per_s']:,.0f}", f"{n['generated']:.2f}", speedup,
                              f"{100 * n['tail_share']:.0f}%", f"{100 * n['batch_fill']:.0f}%",
                              f"{n['preemptions']:.0f}", f"{100 * n['trainer_idle']:.0f}%",
                              f"{100 * n['generator_idle']:.0f}%",
@@ -151,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     body = (f"Rows of scripts/gpu/long_tail.sh on {args.gpu or 'the GPU named by each call'}: "
             "run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal response lengths, "
-            f"median 1500, p90 5000, cap 8192), steps from {WARMUP} on. {TARGETS}\n\n"
+            f"median 1500, p90 5000, cap 8192), steps from {WARMUP} on ({WARMUP + 1} on for d rows with partial "
+            f"rollouts; n*: a row cut before then, warm-up only). {TARGETS}\n\n"
             + tail_table(args.results) + "\n" + trainer_table(args.results) + "\n" + math_table(args.results))
     if args.write:
         write_section("The long tail (cuda)", device="cuda", body=body, made_on=args.gpu or "see each call's log")

@@ -47,9 +47,11 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream"}
     off = rows["a-0.6B-off"]
     assert off[1] == "2"  # steps 1 and 2 (step 0 left out)
-    assert off[6] == "1.00x" and rows["a-0.6B-on"][6] == "1.00x"  # the same run: no speed-up
-    assert rows["d-0.6B-on"][6] == "n/a"  # its baseline, b-0.6B-off, has not run
-    tail_share, fill = (int(c.rstrip("%")) for c in off[7:9])
+    assert rows["d-0.6B-stream"][1] == "1"  # partial rollouts in layout d: steps 0 and 1 are its warm-up
+    assert off[6] == "1.00"  # generated / trained: without partial rollouts every sampled token trains
+    assert off[7] == "1.00x" and rows["a-0.6B-on"][7] == "1.00x"  # the same run: no speed-up
+    assert rows["d-0.6B-on"][7] == "n/a"  # its baseline, b-0.6B-off, has not run
+    tail_share, fill = (int(c.rstrip("%")) for c in off[8:10])
     assert tail_share >= 30 and fill < 50  # drawn lengths of median 6 up to 48: a real tail
     assert "Not run yet: b-0.6B-off, b-0.6B-on, d-0.6B-off, a-1.7B-off" in proc.stdout
     missing = proc.stdout.split("Not run yet:")[1].split("\n")[0]
