@@ -34,7 +34,8 @@
 # (step 0 compiles; 2 on for d rows with partial rollouts: their first two requests carry no group and each
 # generates a whole over-sampled pool). A row longer than one call: LONG_TAIL_CHECKPOINT=N saves every N steps
 # (keep 1), and the next call on the same warm machine with LONG_TAIL_RESUME=1 (and the same settings) resumes
-# each a/b/d row from its last checkpoint (/tmp/long_tail), its metrics.jsonl continuing (every step once). Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
+# each a/b/d row from its last checkpoint (/tmp/long_tail), its metrics.jsonl continuing (every step once).
+# Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
 # long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
 # (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
 # log; and $OUT/benchmarks.md with the section scripts/gpu/long_tail_table.py makes from this call's results.

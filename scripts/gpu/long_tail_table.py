@@ -95,8 +95,8 @@ def tail_table(results: Path) -> str:
                 numbers[layout, size, mode] = (row_numbers(steps(path), skip=warmup(layout, mode))
                                                if path.is_file() else None)
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
-              "x sync", "tail share",
-              "batch fill", "preemptions", "trainer idle", "generator idle", "mean / max length"]
+              "x sync", "tail share", "batch fill", "preemptions", "trainer idle", "generator idle",
+              "mean / max length"]
     rows, missing = [], []
     for size in SIZES:
         for layout, where in LAYOUTS.items():
