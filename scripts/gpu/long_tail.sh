@@ -127,8 +127,10 @@ report() {  # ROW RC GROUP
   case $row in trainer*) return ;; esac
   [[ $row == math-* ]] && name=long_tail_math_${row#math-}
   cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null
+  local from=1  # the table's warm-up (long_tail_table.warmup): d rows with partial rollouts start at step 2
+  [[ $row =~ ^d-.*-(on|onfp8|stream)$ ]] && from=2
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
-    --mem "$work/mem_$group.csv" --rc "$rc" --window 1 "$STEPS" \
+    --mem "$work/mem_$group.csv" --rc "$rc" --window "$from" "$STEPS" \
     --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "stream_d_args=$STREAM_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
