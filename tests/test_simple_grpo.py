@@ -173,6 +173,8 @@ def test_partial_rollouts_resume_from_unfinished_samples_gives_the_uninterrupted
     # Samples were cut and carried, and tokens of the version before trained.
     assert all(r["partial_carried_samples"] > 0 for r in a) and all(r["version_age_1_frac"] > 0 for r in a[1:])
     assert [r["weight_version"] for r in a] == list(range(6)) and max(r["version_age_max"] for r in a) == 1
+    # The checkpoint after step 2 is in step 3's line, outside any step_s (an async layout's waits for rollouts too).
+    assert a[3]["checkpoint_s"] > 0 and [r["checkpoint_s"] for i, r in enumerate(a) if i != 3] == [0.0] * 5
 
     train(_partial_config(tmp_path / "b", steps=3))
     saved = dcp_extra(tmp_path / "b" / "latest" / "checkpoints" / "step-3")

@@ -183,7 +183,7 @@ def train(cfg: JobConfig) -> list[dict]:
         if cfg.metrics.wandb.project is not None:
             logger.attach_wandb(cfg.metrics.wandb, run_config=redacted_dict(cfg), name=cfg.job.name)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
-        log_s = 0.0
+        log_s = checkpoint_s = 0.0
         for step in bar:
             t_step = time.perf_counter()
             # 1. sync: the generator serves the trainer's current weights to the requests made from
@@ -230,7 +230,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 generate_s=rollouts.generate_s, wait_rollouts_s=wait_s, generator_idle_s=rollouts.idle_s,
                 tail=rollouts.trace.metrics() if rollouts.trace is not None else {},
                 evaluation_s=t_build - t_eval, build_s=build_s, recompute_s=batch.recompute_s, train_s=train_s,
-                step_s=time.perf_counter() - t_step, log_s=log_s,
+                step_s=time.perf_counter() - t_step, log_s=log_s, checkpoint_s=checkpoint_s,
             )
             t_log = time.perf_counter()
             logger.log(step, record.as_dict())
@@ -240,10 +240,13 @@ def train(cfg: JobConfig) -> list[dict]:
             )
             log_s = time.perf_counter() - t_log
             # 8. checkpoint, after the step's metrics line is on disk: a resume from it never lacks a line
+            checkpoint_s = 0.0
             if cfg.trainer.checkpoint.enable and (step + 1) % cfg.trainer.checkpoint.interval == 0:
+                t_checkpoint = time.perf_counter()
                 logger.sync()
                 trainer.save_checkpoint(step + 1, extra=queue.state_dict(),
                                         files={"config.toml": to_toml(cfg)})  # what a resume compares its config with
+                checkpoint_s = time.perf_counter() - t_checkpoint
 
         # Also for a resume of a finished run (start == steps): its final evaluation's line was dropped above.
         plot = _finish(cfg, evaluator=evaluator, generator=generator, trainer=trainer, logger=logger, shape=shape,

@@ -11,8 +11,10 @@ Each row's numbers are over its steps from its warm-up on (warmup(): step 0 comp
 wave has no unfinished samples to carry; with partial rollouts in the asynchronous layout d the first
 grpo.max_staleness + 1 = 2 requests carry none, and each generates a whole over-sampled pool); a row cut by the
 call's time before then shows what it logged, its step count marked * (warm-up only).
-Throughput = trained completion tokens / step wall, summed over those steps: over-sampled tokens count when
-they train, not when they are generated (generated / trained says how many more the engine sampled); the
+Throughput = trained completion tokens / wall, summed over those steps (a step's wall: its step_s and the
+logging and checkpoint before it; checkpoint_s holds an async layout's wait for the rollouts in flight):
+over-sampled tokens count when they train, not when they are generated (generated / trained says how many more
+the engine sampled); the
 tail share and batch fill are step means, the idle shares idle seconds over wall seconds (definitions:
 docs/design.md, "The long tail"; generator idle counts the engine's wait before each step's batch, so after a
 longer step it can pass 100%).
@@ -71,7 +73,9 @@ def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
     kept = kept or records
     if not kept:
         return None
-    wall = sum(r["step_s"] for r in kept)
+    # A step's wall from the previous one's end: its step_s, and the logging and checkpoint before it (an async
+    # layout's checkpoint waits for the rollouts in flight: generate time no step_s holds).
+    wall = sum(r["step_s"] + r.get("log_s", 0.0) + r.get("checkpoint_s", 0.0) for r in kept)
     trained = sum(r.get("tokens", r["completion_tokens"]) for r in kept)
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in kept)  # noqa: E731
     return {

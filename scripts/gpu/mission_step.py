@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "gen_tokens_per_s")
-OTHER = ("wait_rollouts_s", "evaluation_s", "build_s", "recompute_s", "log_s")
+OTHER = ("wait_rollouts_s", "evaluation_s", "build_s", "recompute_s", "log_s", "checkpoint_s")
 """The loop's other timers (absent from runs before they existed)."""
 
 

@@ -57,6 +57,9 @@ class StepMetrics:
     step_s: float
     log_s: float
     """The previous step's logging: its metrics line, TensorBoard scalars, progress bar (after its step_s)."""
+    checkpoint_s: float
+    """The previous step's checkpoint (after its step_s; 0 when none was due): writing it, and in an asynchronous
+    layout first waiting for the rollouts in flight, which it keeps (rollout/queue.py)."""
 
     def as_dict(self) -> dict[str, float]:
         flat: dict[str, float] = {}
