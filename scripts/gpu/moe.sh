@@ -43,6 +43,10 @@ row() {  # name, world size, args...
   local rc=$?
   echo "$name rc=$rc wall=$(( $(date +%s) - start ))s" | tee -a "$RES/rows.txt"
   [ $rc -ne 0 ] && tail -3 "$RES/$name.log" | tee "$RES/$name.refused"
+  pack
+}
+pack() {  # after every row: a call cut by its ten minutes still brings back the rows done (run folders nest too deep)
+  tar czf "$OUT/moe_runs.tgz.part" -C "$RES" . && mv "$OUT/moe_runs.tgz.part" "$OUT/moe_runs.tgz"
 }
 for r in $ROWS; do
   case $r in
@@ -66,7 +70,7 @@ for r in $ROWS; do
               timeout "$LIMIT" python scripts/bench_weight_sync.py --device cuda --flavors debugmodel_moe 30B-A3B \
                 --layers 8 --bucket-mb 128 512 2048 --methods ours reload --section "Weight sync, MoE (cuda)" \
                 --json "$RES/sync_moe.json" > "$RES/sync.log" 2>&1
-              echo "sync rc=$? wall=$(( $(date +%s) - start ))s" | tee -a "$RES/rows.txt" ;;
+              echo "sync rc=$? wall=$(( $(date +%s) - start ))s" | tee -a "$RES/rows.txt"; pack ;;
   esac
 done
 mkdir -p scripts/gpu/results/moe
