@@ -56,7 +56,7 @@ ON_ARGS=${LONG_TAIL_ON_ARGS-"--grpo.partial.enable true --grpo.partial.over_samp
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.stream_groups true"}
 STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}
-work=/tmp/long_tail  # kept while the machine is warm: the math runs resume from here
+work=${LONG_TAIL_WORK:-/tmp/long_tail}  # kept while the machine is warm: runs resume from here
 mkdir -p "$work"
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
@@ -149,5 +149,5 @@ for group in ${ROWS:?set ROWS, e.g. ROWS=a-0.6B-off+a-0.6B-on}; do
   done
   kill $smi 2>/dev/null
 done
-python3 scripts/gpu/long_tail_table.py "$R" --gpu "$gpu_name" --write && cp docs/benchmarks.md "$OUT/benchmarks.md"
+python3 scripts/gpu/long_tail_table.py "$R" --gpu "$gpu_name" --write --write-to "$OUT/benchmarks.md"
 tar czf "$OUT/long_tail.tgz" -C "$R" .

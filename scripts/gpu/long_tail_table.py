@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu", default="", help="the GPU the rows ran on (nvidia-smi's name)")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md (here or on "
                         "the device: the numbers are the results folder's, whichever machine writes the table)")
+    parser.add_argument("--write-to", type=Path, default=None, help="with --write: this file instead of "
+                        "docs/benchmarks.md (long_tail.sh: the call's own $OUT/benchmarks.md)")
     args = parser.parse_args(argv)
     body = (f"Rows of scripts/gpu/long_tail.sh on {args.gpu or 'the GPU named by each call'}: "
             "run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal response lengths, "
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             f"rollouts; n*: a row cut before then, warm-up only). {TARGETS}\n\n"
             + tail_table(args.results) + "\n" + trainer_table(args.results) + "\n" + math_table(args.results))
     if args.write:
-        write_section("The long tail (cuda)", device="cuda", body=body, made_on=args.gpu or "see each call's log")
+        write_section("The long tail (cuda)", device="cuda", body=body, made_on=args.gpu or "see each call's log",
+                      **({"path": args.write_to} if args.write_to else {}))
     else:
         print(body)
 

@@ -1,0 +1,63 @@
+"""scripts/gpu/long_tail.sh end to end on CPU (a stand-in nvidia-smi, cpu_tiny's model in the long-tail config): a d row
+with partial rollouts checkpoints in one call and resumes in the next (LONG_TAIL_CHECKPOINT, LONG_TAIL_RESUME), its
+metrics continuing with every step once, and the summary and table start where the warm-up ends."""
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu" / "long_tail.sh"
+NVIDIA_SMI = """#!/bin/bash
+case "$*" in
+  *-lms*) while true; do echo "0, 100"; echo "1, 100"; sleep 1; done ;;
+  *index,name,memory.total*) echo "0, NVIDIA H100 80GB HBM3, 81559 MiB"; echo "1, NVIDIA H100 80GB HBM3, 81559 MiB" ;;
+  *name*) echo "NVIDIA H100 80GB HBM3"; echo "NVIDIA H100 80GB HBM3" ;;
+esac
+"""
+CPU = ("--job.device cpu --model.flavor tiny --model.max_seq_len 256 --generator.max_model_len 256 "
+       "--generator.sampling.max_tokens 48 --grpo.prompts_per_step 4 --grpo.group_size 4 "
+       "--grpo.harness_lengths.median 6 --grpo.harness_lengths.p90 24 --trainer.compile false "
+       "--generator.enforce_eager true --generator.max_num_seqs 64 --trainer.micro_batch_tokens 0 "
+       "--trainer.recompute_micro_batch_tokens 0 --generator.gpu_memory_utilization 0.1")
+ON = ("--grpo.partial.enable true --grpo.partial.over_sample 4 --grpo.partial.max_token_age 2 "
+      "--grpo.importance_correction truncate")
+
+
+def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(NVIDIA_SMI)
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / out),
+           "LONG_TAIL_WORK": str(tmp_path / "work"), "LONG_TAIL_ARGS": CPU, "LONG_TAIL_ON_ARGS": ON,
+           "ROWS": "d-0.6B-stream", "LONG_TAIL_STEPS": str(steps), "LONG_TAIL_CHECKPOINT": "1",
+           "PYTHONPATH": str(REPO), **env}
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow  # two calls of the script, each a two-rank run on CPU
+def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_the_warm_up(tmp_path):
+    first = _call(tmp_path, "out1", steps=3)
+    assert "=== d-0.6B-stream: exit 0" in first.stdout
+    _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1")
+    assert "torchtitan_rl: resuming" in (tmp_path / "work" / "d-0.6B-stream.log").read_text()
+    assert sorted(p.name for p in (tmp_path / "work" / "d-0.6B-stream").glob("run-*")) == ["run-1"]
+    lines = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_d-0.6B-stream.jsonl").open()]
+    steps = [r for r in lines if "step_s" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2, 3, 4]  # the first call's three, then the resumed two: each once
+    assert steps[1]["checkpoint_s"] > 0 and steps[3]["checkpoint_s"] == 0  # no checkpoint before a resumed step
+    summary = [json.loads(line) for p in (tmp_path / "out2" / "r").glob("long_tail_summary_*.jsonl")
+               for line in p.open()]
+    assert [s["window"] for s in summary] == [[2, 5]]  # partial rollouts in layout d: steps 0 and 1 are warm-up
+    table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
+    row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream |"))
+    assert row.split("|")[3].strip() == "3"  # steps 2, 3 and 4
+    assert (tmp_path / "out2" / "long_tail.tgz").stat().st_size > 0
