@@ -127,8 +127,9 @@ report() {  # ROW RC GROUP
   case $row in trainer*) return ;; esac
   [[ $row == math-* ]] && name=long_tail_math_${row#math-}
   cp "$work/$row/latest/metrics.jsonl" "$R/$name.jsonl" 2>/dev/null
-  local from=1  # the table's warm-up (long_tail_table.warmup): d rows with partial rollouts start at step 2
-  [[ $row =~ ^d-.*-(on|onfp8|stream)$ ]] && from=2
+  local layout size mode from  # the summary starts where the table does, after its warm-up (one rule: the table's)
+  IFS=- read -r layout size mode <<< "$row"
+  from=$(cd scripts/gpu && python3 -c "import long_tail_table as t; print(t.warmup('$layout', '$mode'))")
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window "$from" "$STEPS" \
     --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "stream_d_args=$STREAM_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_common import table, write_section  # noqa: E402
+from bench_common import BENCHMARKS_MD, table, write_section  # noqa: E402
 
 WARMUP = 1
 """Steps left out at the start."""
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu", default="", help="the GPU the rows ran on (nvidia-smi's name)")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md (here or on "
                         "the device: the numbers are the results folder's, whichever machine writes the table)")
-    parser.add_argument("--write-to", type=Path, default=None, help="with --write: this file instead of "
-                        "docs/benchmarks.md (long_tail.sh: the call's own $OUT/benchmarks.md)")
+    parser.add_argument("--write-to", type=Path, default=BENCHMARKS_MD, help="with --write: the file (default "
+                        "docs/benchmarks.md; long_tail.sh: the call's own $OUT/benchmarks.md)")
     args = parser.parse_args(argv)
     body = (f"Rows of scripts/gpu/long_tail.sh on {args.gpu or 'the GPU named by each call'}: "
             "run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal response lengths, "
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             + tail_table(args.results) + "\n" + trainer_table(args.results) + "\n" + math_table(args.results))
     if args.write:
         write_section("The long tail (cuda)", device="cuda", body=body, made_on=args.gpu or "see each call's log",
-                      **({"path": args.write_to} if args.write_to else {}))
+                      path=args.write_to)
     else:
         print(body)
 

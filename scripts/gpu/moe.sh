@@ -79,5 +79,4 @@ cp -r "$RES"/. scripts/gpu/results/moe/ 2>/dev/null
 python scripts/gpu/moe_table.py "$RES" --device "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
   --write docs/benchmarks.md
 cp docs/benchmarks.md "$OUT/benchmarks.md"
-# Run folders nest too deep (and too many files) to come back one by one.
-tar czf "$OUT/moe_runs.tgz" -C "$RES" . && rm -rf "$RES"
+pack && rm -rf "$RES"  # with benchmarks.md, this call's rows alone come back (run folders nest too deep)
