@@ -117,15 +117,16 @@ def time_calls(gen, prompts, *, n: int, sampling, count: int) -> dict:
                             sampling_params(sampling, stop_token_ids=None, seed=i * n + j))
     for _ in range(3):  # admitted and running
         llm.step()
-    running, waiting, preempted = compat.scheduler_load(llm)
+    running, waiting, preempted, context = compat.scheduler_load(llm)
     t = time.perf_counter()
     for _ in range(count):
         compat.scheduler_load(llm)
     load_us = 1e6 * (time.perf_counter() - t) / count
-    recorder = TraceRecorder(sequences=running + waiting, max_num_seqs=running + waiting)
+    recorder = TraceRecorder(sequences=running + waiting, max_num_seqs=running + waiting,
+                             kv_token_bytes=gen.kv_token_bytes)
     t = time.perf_counter()
     for _ in range(count):
-        recorder.iteration(running=running, waiting=waiting, preempted=preempted)
+        recorder.iteration(running=running, waiting=waiting, preempted=preempted, context=context)
     iteration_us = 1e6 * (time.perf_counter() - t) / count
     compat.abort_requests(llm, [f"calls{i}_{j}" for i in range(len(prompts)) for j in range(n)])
     while llm.has_unfinished_requests() or compat.batches_in_flight(llm):

@@ -61,9 +61,10 @@ def forward_in_flight(engine) -> bool:
     return any(entry[1].total_num_scheduled_tokens > 0 for entry in queue)
 
 
-def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
+def scheduler_load(engine) -> tuple[int, int, dict[str, int], int]:
     """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
-    {request id: preemptions so far} of the waiting ones that were preempted). A preempted request goes back
+    {request id: preemptions so far} of the waiting ones that were preempted, the running requests' tokens in
+    the KV cache: Request.num_computed_tokens summed, what the next step's attention reads). A preempted request goes back
     to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays there at
     least until the next step, so
     reading after every step sees every preemption, and the scan stops at the first never-preempted request
@@ -74,7 +75,8 @@ def scheduler_load(engine) -> tuple[int, int, dict[str, int]]:
         if not request.num_preemptions:
             break
         preempted[request.request_id] = request.num_preemptions
-    return len(scheduler.running), len(scheduler.waiting), preempted
+    context = sum(request.num_computed_tokens for request in scheduler.running)
+    return len(scheduler.running), len(scheduler.waiting), preempted, context
 
 
 def kv_cache_tokens(engine) -> int:
@@ -82,6 +84,13 @@ def kv_cache_tokens(engine) -> int:
     block pool (read on vLLM 0.26 by scripts/gpu/gen_drift.py, and 0.32) times the block size."""
     pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
     return pool.num_gpu_blocks * engine.vllm_config.cache_config.block_size
+
+
+def kv_token_bytes(engine) -> int:
+    """Bytes a token takes in an in-process ``LLMEngine``'s KV cache over all layers (its KV cache tensors over
+    the tokens its block pool holds: the cache's dtype and layout as the engine allocated them)."""
+    config = engine.engine_core.engine_core.scheduler.kv_cache_config
+    return sum(t.size for t in config.kv_cache_tensors) // kv_cache_tokens(engine)
 
 
 def compilable(model_cls: type, *, enable_if) -> type:

@@ -34,7 +34,8 @@
 # (step 0 compiles; 2 on for d rows with partial rollouts: their first two requests carry no group and each
 # generates a whole over-sampled pool). A row longer than one call: LONG_TAIL_CHECKPOINT=N saves every N steps
 # (keep 1), and the next call on the same warm machine with LONG_TAIL_RESUME=1 (and the same settings) resumes
-# each a/b/d row from its last checkpoint (/tmp/long_tail), its metrics.jsonl continuing (every step once).
+# each a/b/d row from its last checkpoint (/tmp/long_tail), its metrics.jsonl continuing (every step once); a row
+# with no run to resume starts one, so a call can resume one row and start another on the GPUs left.
 # Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
 # long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
 # (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
@@ -84,7 +85,8 @@ launch() {
   else
     common+=(--trainer.checkpoint.enable false)
   fi
-  if [ "${LONG_TAIL_RESUME:-0}" = 1 ] && [[ $layout =~ ^[abd]$ ]]; then common+=(--resume); fi
+  # a row with nothing to resume (new in this call) starts: one call can resume some rows and start others
+  if [ "${LONG_TAIL_RESUME:-0}" = 1 ] && [[ $layout =~ ^[abd]$ ]]; then common+=(--resume-if-any); fi
   case $layout in
     a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
          --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;

@@ -17,7 +17,10 @@ over-sampled tokens count when they train, not when they are generated (generate
 the engine sampled); the
 tail share and batch fill are step means, the idle shares idle seconds over wall seconds (definitions:
 docs/design.md, "The long tail"; generator idle counts the engine's wait before each step's batch, so after a
-longer step it can pass 100%).
+longer step it can pass 100%). KV read TB/s: what the attention read from the KV cache a second of engine loop,
+per engine (gen_kv_read_tb_per_s), against the GPU's memory bandwidth (H100 3.35, H200 4.8 TB/s): near it, the
+generate is bound by the bytes its samples' contexts take, which no order of decoding changes; "-" for rows
+logged before the metric existed.
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
 d). Missing rows are listed as such, so a partial run still gives its part of the table.
 """
@@ -83,7 +86,7 @@ def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
         "generate_s": mean("generate_s"), "train_s": mean("train_s"),
         "tokens_per_s": trained / wall, "generated": sum(r["completion_tokens"] for r in kept) / trained,
         "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
-        "preemptions": mean("gen_preemptions"),
+        "preemptions": mean("gen_preemptions"), "kv_read": mean("gen_kv_read_tb_per_s"),
         "trainer_idle": sum(r["wait_rollouts_s"] for r in kept) / wall,
         "generator_idle": sum(r["generator_idle_s"] for r in kept) / wall,
         "response_mean": mean("response_length_mean"), "response_max": max(r["response_length_max"] for r in kept),
@@ -99,7 +102,7 @@ def tail_table(results: Path) -> str:
                 numbers[layout, size, mode] = (row_numbers(steps(path), skip=warmup(layout, mode))
                                                if path.is_file() else None)
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
-              "x sync", "tail share", "batch fill", "preemptions", "trainer idle", "generator idle",
+              "x sync", "tail share", "batch fill", "KV read TB/s", "preemptions", "trainer idle", "generator idle",
               "mean / max length"]
     rows, missing = [], []
     for size in SIZES:
@@ -116,6 +119,7 @@ def tail_table(results: Path) -> str:
                 rows.append([name, where, n["steps"], f"{n['step_s']:.1f}", f"{n['generate_s']:.1f}",
                              f"{n['train_s']:.1f}", f"{n['tokens_per_s']:,.0f}", f"{n['generated']:.2f}", speedup,
                              f"{100 * n['tail_share']:.0f}%", f"{100 * n['batch_fill']:.0f}%",
+                             f"{n['kv_read']:.3g}" if n["kv_read"] else "-",
                              f"{n['preemptions']:.0f}", f"{100 * n['trainer_idle']:.0f}%",
                              f"{100 * n['generator_idle']:.0f}%",
                              f"{n['response_mean']:,.0f} / {n['response_max']:,.0f}"])

@@ -58,7 +58,21 @@ def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
                            lengths=HarnessLengthsConfig(distribution="lognormal", median=30, p90=31)).trace
     assert even.tail_iterations <= 3 and even.batch_fill > 0.7 > tail.batch_fill
     assert set(tail.metrics()) == {"gen_tail_share", "gen_tail_s", "gen_batch_fill", "gen_preemptions",
-                                   "gen_iterations"}
+                                   "gen_iterations", "gen_kv_read_gb", "gen_kv_read_tb_per_s"}
+
+
+def test_the_kv_bytes_read_are_the_contexts_the_samples_decode_over(engine):
+    shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=512)
+    assert engine.kv_token_bytes == shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * 2
+    r = engine.generate(PROMPTS, n=4, seed=0, sampling=SAMPLING, lengths=TAIL)
+    # token t of a sample attends over its prompt and the t tokens before it
+    tokens = sum(len(p) * len(c) + len(c) * (len(c) - 1) // 2 for p, c in zip(
+        [p for p in PROMPTS for _ in range(4)], r.completion_ids))
+    # one step of slack a sample: vLLM counts a token's KV computed when it schedules it (async scheduling)
+    slack = sum(len(p) + len(c) for p, c in zip([p for p in PROMPTS for _ in range(4)], r.completion_ids))
+    read = r.trace.kv_read_bytes / engine.kv_token_bytes
+    assert abs(read - tokens) <= slack < tokens / 4, (read, tokens, slack)
+    assert r.trace.kv_read_rate == r.trace.kv_read_bytes / r.trace.wall_s
 
 
 def test_preemptions_of_a_full_kv_cache_are_counted(engine):

@@ -44,7 +44,7 @@ def test_summary_reads_the_newest_run_through_latest(output_dir, tmp_path):
     assert line["steps_logged"] == 4 and line["steps_in_window"] == 3
     medians = line["median_steps_1_3"]
     assert set(medians) >= {"step_s", "generate_s", "train_s", "sync_s", "gen_tokens_per_s", "gen_tail_share",
-                            "gen_batch_fill", "gen_preemptions"}
+                            "gen_batch_fill", "gen_preemptions", "gen_kv_read_tb_per_s"}
     assert all(v >= 0 for v in medians.values()) and medians["step_s"] > 0
     assert line["tokens_per_s_per_engine"] == pytest.approx(medians["gen_tokens_per_s"] / 2)
     assert line["peak_gpu_mem_gib"] == {"0": round(3000 / 1024, 1), "1": round(2000 / 1024, 1)}

@@ -1,6 +1,7 @@
 """scripts/gpu/long_tail.sh end to end on CPU (a stand-in nvidia-smi, cpu_tiny's model in the long-tail config): a d row
 with partial rollouts checkpoints in one call and resumes in the next (LONG_TAIL_CHECKPOINT, LONG_TAIL_RESUME), its
-metrics continuing with every step once, and the summary and table start where the warm-up ends."""
+metrics continuing with every step once, while a row new in that call starts its run, and the summary and table
+start where the warm-up ends."""
 
 import json
 import os
@@ -47,8 +48,12 @@ def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.Comple
 def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_the_warm_up(tmp_path):
     first = _call(tmp_path, "out1", steps=3)
     assert "=== d-0.6B-stream: exit 0" in first.stdout
-    _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1")
+    # the second call also starts a row the first had not: with nothing to resume it starts a run
+    _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1", ROWS="d-0.6B-stream+a-0.6B-off")
     assert "torchtitan_rl: resuming" in (tmp_path / "work" / "d-0.6B-stream.log").read_text()
+    assert "starting a new run" in (tmp_path / "work" / "a-0.6B-off.log").read_text()
+    new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_a-0.6B-off.jsonl").open()]
+    assert [r["step"] for r in new if "step_s" in r] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "work" / "d-0.6B-stream").glob("run-*")) == ["run-1"]
     lines = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_d-0.6B-stream.jsonl").open()]
     steps = [r for r in lines if "step_s" in r]
@@ -56,7 +61,8 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     assert steps[1]["checkpoint_s"] > 0 and steps[3]["checkpoint_s"] == 0  # no checkpoint before a resumed step
     summary = [json.loads(line) for p in (tmp_path / "out2" / "r").glob("long_tail_summary_*.jsonl")
                for line in p.open()]
-    assert [s["window"] for s in summary] == [[2, 5]]  # partial rollouts in layout d: steps 0 and 1 are warm-up
+    # partial rollouts in layout d: steps 0 and 1 are warm-up; a-off's step 0 only
+    assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5], "a-0.6B-off": [1, 5]}
     table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
     row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream |"))
     assert row.split("|")[3].strip() == "3"  # steps 2, 3 and 4

@@ -53,6 +53,7 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert rows["d-0.6B-on"][7] == "n/a"  # its baseline, b-0.6B-off, has not run
     tail_share, fill = (int(c.rstrip("%")) for c in off[8:10])
     assert tail_share >= 30 and fill < 50  # drawn lengths of median 6 up to 48: a real tail
+    assert float(off[10]) > 0  # the KV cache's reads a second (TB/s, three significant digits: tiny on a CPU)
     assert "Not run yet: b-0.6B-off, b-0.6B-on, d-0.6B-off, a-1.7B-off" in proc.stdout
     missing = proc.stdout.split("Not run yet:")[1].split("\n")[0]
     assert "fp8" not in missing and "stream" not in missing  # never listed as missing

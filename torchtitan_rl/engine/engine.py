@@ -223,6 +223,8 @@ class Engine:
             compat.on_model_forward(self.engine, self._route_log.file)
         self.kv_cache_tokens = compat.kv_cache_tokens(self.engine)
         """Tokens the engine's KV cache holds (vLLM's "KV cache size")."""
+        self.kv_token_bytes = compat.kv_token_bytes(self.engine)
+        """Bytes a token takes in the KV cache over all layers (half in generator.kv_cache_dtype fp8)."""
         if config.load_format == "auto":
             self._version = 0  # explicit opt-in: the checkpoint's weights, no trainer
         else:
@@ -449,7 +451,8 @@ class Engine:
             for g in range(len(prompts)):
                 if not left[g] and all(rid is None for rid, _ in requests[g * n:(g + 1) * n]):
                     on_group(g, rows(g * n, (g + 1) * n))
-        trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs)
+        trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs,
+                              kv_token_bytes=self.kv_token_bytes)
         paused = False  # a sync waits for the batch in flight (async scheduling): nothing new is scheduled
         try:
             # vLLM's per-token objects (docs/design.md); the loop's small CPU ops on one thread (loop_threads).
@@ -465,8 +468,8 @@ class Engine:
                             left[g] -= 1
                             if not left[g] and on_group is not None:
                                 on_group(g, rows(g * n, (g + 1) * n))
-                    running, waiting, preempted = compat.scheduler_load(self.engine)
-                    trace.iteration(running=running, waiting=waiting, preempted=preempted)
+                    running, waiting, preempted, context = compat.scheduler_load(self.engine)
+                    trace.iteration(running=running, waiting=waiting, preempted=preempted, context=context)
                     if partial is not None and self._running and partial_stop(
                             partial, unfinished={group_of[rid] for rid in self._running},
                             generated=lambda: _generated(self.engine, finished)):

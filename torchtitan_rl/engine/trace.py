@@ -33,6 +33,11 @@ class EngineTrace:
     """Slot-seconds: min(generator.max_num_seqs, sequences) x wall_s, the most running_s could be."""
     preemptions: int = 0
     """Times vLLM's scheduler preempted one of the sequences (KV cache full: its blocks freed, recomputed later)."""
+    kv_read_bytes: int = 0
+    """KV-cache bytes the iterations' attention read: each iteration's running contexts (tokens) times the bytes a
+    token takes in the cache. A decode iteration reads every running sequence's whole context, so over a generate
+    this is the sum over samples of ~(prompt x length + length^2 / 2) tokens: the bytes that bound a long-context
+    generate, whatever order its samples run in (docs/design.md, "The long tail")."""
 
     @property
     def tail_share(self) -> float:
@@ -45,10 +50,17 @@ class EngineTrace:
         max_num_seqs of it, decodes together all along)."""
         return self.running_s / self.slot_s if self.slot_s else 0.0
 
+    @property
+    def kv_read_rate(self) -> float:
+        """Bytes a second the attention read from the KV cache, per engine (the merge of several engines' blocks
+        sums their seconds too): to hold against the GPU's memory bandwidth."""
+        return self.kv_read_bytes / self.wall_s if self.wall_s else 0.0
+
     def metrics(self) -> dict[str, float]:
         """The step's metrics.jsonl keys (run/metrics.py)."""
         return {"gen_tail_share": self.tail_share, "gen_tail_s": self.tail_s, "gen_batch_fill": self.batch_fill,
-                "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations)}
+                "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations),
+                "gen_kv_read_gb": self.kv_read_bytes / 1e9, "gen_kv_read_tb_per_s": self.kv_read_rate / 1e12}
 
     @staticmethod
     def merge(parts: list["EngineTrace"]) -> "EngineTrace":
@@ -59,27 +71,30 @@ class EngineTrace:
 class TraceRecorder:
     """Builds one generate's EngineTrace: ``iteration`` after every engine step, ``finish`` at the end."""
 
-    def __init__(self, *, sequences: int, max_num_seqs: int) -> None:
+    def __init__(self, *, sequences: int, max_num_seqs: int, kv_token_bytes: int) -> None:
         self.trace = EngineTrace(sequences=sequences)
         self.slots = min(max_num_seqs, sequences)
+        self.kv_token_bytes = kv_token_bytes
         self.last = time.perf_counter()
-        self.running, self.unfinished = 0, sequences  # before the first step: nothing scheduled yet
+        self.running, self.unfinished, self.context = 0, sequences, 0  # before the first step: nothing scheduled
         self.preempted: dict[str, int] = {}
         """Request id -> the most preemptions seen for it."""
 
-    def iteration(self, *, running: int, waiting: int, preempted: dict[str, int]) -> None:
+    def iteration(self, *, running: int, waiting: int, preempted: dict[str, int], context: int) -> None:
         """One engine step just returned; ``running``/``waiting``: the scheduler's load now; ``preempted``:
-        preemption counts of requests seen preempted (compat.scheduler_load)."""
+        preemption counts of requests seen preempted; ``context``: the running requests' tokens in the KV cache
+        (compat.scheduler_load)."""
         now = time.perf_counter()
         dt, t = now - self.last, self.trace
         t.iterations += 1
         t.wall_s += dt
         t.slot_s += dt * self.slots
         t.running_s += dt * self.running
+        t.kv_read_bytes += self.context * self.kv_token_bytes
         if self.unfinished < TAIL_FRACTION * t.sequences:
             t.tail_s += dt
             t.tail_iterations += 1
-        self.last, self.running, self.unfinished = now, running, running + waiting
+        self.last, self.running, self.unfinished, self.context = now, running, running + waiting, context
         self.preempted.update(preempted)
 
     def finish(self) -> EngineTrace:
