@@ -87,10 +87,11 @@ def kv_cache_tokens(engine) -> int:
 
 
 def kv_token_bytes(engine) -> int:
-    """Bytes a token takes in an in-process ``LLMEngine``'s KV cache over all layers (its KV cache tensors over
-    the tokens its block pool holds: the cache's dtype and layout as the engine allocated them)."""
-    config = engine.engine_core.engine_core.scheduler.kv_cache_config
-    return sum(t.size for t in config.kv_cache_tensors) // kv_cache_tokens(engine)
+    """Bytes a token takes in an in-process ``LLMEngine``'s KV cache over all layers: each KV cache group's page
+    (one layer's block, in the cache's dtype) over its block size, times the group's layers (KVCacheConfig's
+    groups, vLLM 0.26 and 0.32; not its tensors, which a packed layout lists with the whole allocation's size)."""
+    groups = engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    return sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes // g.kv_cache_spec.block_size for g in groups)
 
 
 def compilable(model_cls: type, *, enable_if) -> type:
