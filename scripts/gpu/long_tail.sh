@@ -40,8 +40,10 @@
 # long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
 # (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
 # log; and $OUT/benchmarks.md with the section scripts/gpu/long_tail_table.py makes from this call's results.
-# Here: `tar xzf <files_at>/long_tail.tgz -C scripts/gpu/results` after each call, then
-# `python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu NAME --write` makes the table of every call's rows.
+# Here, after each call: `tar xzf <files_at>/long_tail.tgz -C scripts/gpu/results/long_tail/LEASE` (LEASE: one folder
+# per machine lease, e.g. 20261128T0147_h200x2; a lease's later calls unpack into the same one), then
+# `python3 scripts/gpu/long_tail_table.py scripts/gpu/results/long_tail/* --write`: a table per lease, rows compared
+# within it only.
 # Device calls (after docs/gpu.md's stash call on the same warm machine; the costs: docs/benchmarks.md,
 # "The long tail (cuda)", "to run"):
 #   run(kind="nvidia-h100-x8", carry=[".gpu/b"], command="source .gpu/b/install.sh && ROWS='...' \
@@ -49,7 +51,7 @@
 source "$(dirname "$0")/multi_gpu_env.sh"
 R=$OUT/r
 mkdir -p "$R"
-stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in scripts/gpu/results
+stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in its lease's folder
 STEPS=${LONG_TAIL_STEPS:-3}
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
 ON_ARGS=${LONG_TAIL_ON_ARGS-"--grpo.partial.enable true --grpo.partial.over_sample 64 --grpo.partial.max_token_age 2 \

@@ -1,8 +1,10 @@
 """The tables "The long tail" of docs/benchmarks.md, from what scripts/gpu/long_tail.sh left in a results folder.
 
-    python3 scripts/gpu/long_tail_table.py scripts/gpu/results --gpu "NVIDIA H100 80GB HBM3" [--write]
+    python3 scripts/gpu/long_tail_table.py scripts/gpu/results/long_tail/* [--write]
 
-Reads, in RESULTS:
+Each RESULTS folder holds the rows of one machine lease (its calls' long_tail.tgz unpacked there): rows compare
+only within their folder, so each folder gets its own table, named by the folder and its GPU (from its
+summaries; --gpu where it has none). Reads, in each:
   long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on/fp8/onfp8/stream)
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
@@ -26,6 +28,7 @@ d). Missing rows are listed as such, so a partial run still gives its part of th
 """
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -93,7 +96,17 @@ def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
     }
 
 
-def tail_table(results: Path) -> str:
+def gpu_of(results: Path) -> str:
+    """The GPU a lease's rows ran on, as its summaries name it ('' if none does)."""
+    for path in sorted(results.glob("long_tail_summary_*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip() and (gpu := json.loads(line).get("gpu")):
+                return gpu
+    return ""
+
+
+def tail_numbers(results: Path) -> dict:
+    """(layout, size, mode) -> the row's numbers (row_numbers), None where the folder has no such row."""
     numbers = {}
     for layout in LAYOUTS:
         for size in SIZES:
@@ -101,18 +114,21 @@ def tail_table(results: Path) -> str:
                 path = results / f"long_tail_{layout}-{size}-{mode}.jsonl"
                 numbers[layout, size, mode] = (row_numbers(steps(path), skip=warmup(layout, mode))
                                                if path.is_file() else None)
+    return numbers
+
+
+def tail_table(numbers: dict) -> str:
+    """One lease's rows; speed-ups against that lease's baseline only ("n/a" where it ran none)."""
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
               "x sync", "tail share", "batch fill", "KV read TB/s", "preemptions", "trainer idle", "generator idle",
               "mean / max length"]
-    rows, missing = [], []
+    rows = []
     for size in SIZES:
         for layout, where in LAYOUTS.items():
             for mode in MODES:
                 n = numbers[layout, size, mode]
                 name = f"{layout}-{size}-{mode}"
                 if n is None:
-                    if mode not in OPTIONAL:
-                        missing.append(name)
                     continue
                 base = numbers[BASELINE[layout], size, "off"]
                 speedup = f"{n['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
@@ -123,18 +139,28 @@ def tail_table(results: Path) -> str:
                              f"{n['preemptions']:.0f}", f"{100 * n['trainer_idle']:.0f}%",
                              f"{100 * n['generator_idle']:.0f}%",
                              f"{n['response_mean']:,.0f} / {n['response_max']:,.0f}"])
-    body = table(header, rows) if rows else "No row has run yet.\n"
-    if missing:
-        body += f"\nNot run yet: {', '.join(missing)}.\n"
-    return body
+    return table(header, rows) if rows else "No row has run yet.\n"
 
 
-def math_table(results: Path) -> str:
+def leases_tables(folders: list[Path], *, gpu: str) -> str:
+    """A table per lease folder, then the rows no lease has run."""
+    body, ran = "", set()
+    for folder in folders:
+        numbers = tail_numbers(folder)
+        ran |= {key for key, n in numbers.items() if n is not None}
+        body += f"**{folder.name}** ({gpu_of(folder) or gpu or 'GPU not recorded'}):\n\n{tail_table(numbers)}\n"
+    missing = [f"{layout}-{size}-{mode}" for size in SIZES for layout in LAYOUTS for mode in MODES
+               if mode not in OPTIONAL and (layout, size, mode) not in ran]
+    return body + (f"Not run yet: {', '.join(missing)}.\n" if missing else "")
+
+
+def math_table(folders: list[Path]) -> str:
     got = {}
     for mode in MODES:
-        path = results / f"long_tail_math_{mode}.jsonl"
-        if path.is_file() and (lines := evals(path)):
-            got[mode] = lines[-1]
+        for results in folders:
+            path = results / f"long_tail_math_{mode}.jsonl"
+            if path.is_file() and (lines := evals(path)):
+                got[mode] = lines[-1]
     if not got:
         return "SmolLM2 math pair: not run yet.\n"
     rows = [[mode, r["step"], f"{r['eval_accuracy']:.3f} +- {r['eval_accuracy_se']:.3f}"] for mode, r in got.items()]
@@ -150,10 +176,10 @@ def math_table(results: Path) -> str:
     return body
 
 
-def trainer_table(results: Path) -> str:
+def trainer_table(folders: list[Path]) -> str:
     rows = []
     for kind, rows_are in (("trainer", "drawn lengths (64 x 8)"), ("trainer16k", "every row 16384 + prompt (8 x 8)")):
-        for size in SIZES:
+        for size, results in itertools.product(SIZES, folders):
             path = results / f"long_tail_{kind}_{size}.json"
             if not path.is_file():
                 continue
@@ -168,20 +194,22 @@ def trainer_table(results: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path)
-    parser.add_argument("--gpu", default="", help="the GPU the rows ran on (nvidia-smi's name)")
+    parser.add_argument("results", type=Path, nargs="+", help="one folder per machine lease")
+    parser.add_argument("--gpu", default="", help="the GPU of folders whose summaries name none (nvidia-smi's name)")
     parser.add_argument("--write", action="store_true", help="replace the section in docs/benchmarks.md (here or on "
                         "the device: the numbers are the results folder's, whichever machine writes the table)")
     parser.add_argument("--write-to", type=Path, default=BENCHMARKS_MD, help="with --write: the file (default "
                         "docs/benchmarks.md; long_tail.sh: the call's own $OUT/benchmarks.md)")
     args = parser.parse_args(argv)
-    body = (f"Rows of scripts/gpu/long_tail.sh on {args.gpu or 'the GPU named by each call'}: "
+    body = ("Rows of scripts/gpu/long_tail.sh, a table per machine lease (speed-ups within it): "
             "run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal response lengths, "
             f"median 1500, p90 5000, cap 8192), steps from {WARMUP} on ({WARMUP + 1} on for d rows with partial "
             f"rollouts; n*: a row cut before then, warm-up only). {TARGETS}\n\n"
-            + tail_table(args.results) + "\n" + trainer_table(args.results) + "\n" + math_table(args.results))
+            + leases_tables(args.results, gpu=args.gpu) + "\n" + trainer_table(args.results) + "\n"
+            + math_table(args.results))
     if args.write:
-        write_section("The long tail (cuda)", device="cuda", body=body, made_on=args.gpu or "see each call's log",
+        gpus = sorted({gpu_of(folder) or args.gpu for folder in args.results} - {""})
+        write_section("The long tail (cuda)", device="cuda", body=body, made_on=", ".join(gpus) or "see each lease",
                       path=args.write_to)
     else:
         print(body)

@@ -28,23 +28,32 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
                    "--eval.every_n_steps", "1", "--model.max_seq_len", "128", "--generator.max_model_len", "128",
                    "--generator.sampling.max_tokens", "8")
     assert math.returncode == 0, math.stderr[-2000:]
-    # the same runs under the names scripts/gpu/long_tail.sh gives its rows' results
-    for row in ("a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream"):
-        shutil.copy(runs / "tail" / "latest" / "metrics.jsonl", results / f"long_tail_{row}.jsonl")
+    # the same runs under the names scripts/gpu/long_tail.sh gives its rows' results, in two lease folders
+    first, second = results / "lease1", results / "lease2"
+    for lease, rows in ((first, ("a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream")),
+                        (second, ("a-0.6B-fp8",))):
+        lease.mkdir()
+        for row in rows:
+            shutil.copy(runs / "tail" / "latest" / "metrics.jsonl", lease / f"long_tail_{row}.jsonl")
     for mode in ("off", "on"):
-        shutil.copy(runs / "math" / "latest" / "metrics.jsonl", results / f"long_tail_math_{mode}.jsonl")
+        shutil.copy(runs / "math" / "latest" / "metrics.jsonl", first / f"long_tail_math_{mode}.jsonl")
     return results
 
 
 @pytest.mark.slow  # two CPU runs in the fixture
 def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
-    proc = subprocess.run([sys.executable, str(TABLE), str(results), "--gpu", "CPU"], capture_output=True,
-                          text=True, cwd=REPO, timeout=60)
+    proc = subprocess.run([sys.executable, str(TABLE), str(results / "lease1"), str(results / "lease2"), "--gpu",
+                           "CPU"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
+    first, second = proc.stdout.split("**lease2** (CPU)")
+    assert "**lease1** (CPU)" in first
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in proc.stdout.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
+            for line in first.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
     # fp8 and stream rows: shown when run
     assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream"}
+    # a lease compares its rows with its own baseline only: lease2 ran no a-off
+    fp8 = next(line for line in second.splitlines() if line.startswith("| a-0.6B-fp8 |"))
+    assert fp8.split("|")[9].strip() == "n/a"
     off = rows["a-0.6B-off"]
     assert off[1] == "2"  # steps 1 and 2 (step 0 left out)
     assert rows["d-0.6B-stream"][1] == "1"  # partial rollouts in layout d: steps 0 and 1 are its warm-up
