@@ -64,11 +64,11 @@ def forward_in_flight(engine) -> bool:
 def scheduler_load(engine) -> tuple[int, int, dict[str, int], int]:
     """An in-process ``LLMEngine``'s scheduler between two steps: (running requests, waiting requests,
     {request id: preemptions so far} of the waiting ones that were preempted, the running requests' tokens in
-    the KV cache: Request.num_computed_tokens summed, what the next step's attention reads). A preempted request goes back
-    to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays there at
-    least until the next step, so
-    reading after every step sees every preemption, and the scan stops at the first never-preempted request
-    (EngineCore.scheduler, Scheduler.running/.waiting, Request.num_preemptions: vLLM 0.26 and 0.32)."""
+    the KV cache: Request.num_computed_tokens summed, what the next step's attention reads). A preempted request
+    goes back to the front of the waiting queue (``prepend_request``; FCFS, the policy our engines run) and stays
+    there at least until the next step, so reading after every step sees every preemption, and the scan stops at
+    the first never-preempted request (EngineCore.scheduler, Scheduler.running/.waiting, Request.num_preemptions
+    and .num_computed_tokens: vLLM 0.26 and 0.32)."""
     scheduler = engine.engine_core.engine_core.scheduler
     preempted = {}
     for request in scheduler.waiting:
