@@ -11,6 +11,12 @@ tokens. JSON per variant is written as soon as it is done, so a call that runs o
 
     python3 scripts/gpu/profile_generate.py [--variants base no_async compile dict_logprobs] [--out DIR]
 
+Long contexts (issue 39: what an engine step costs when its attention reads thousands of tokens a sequence):
+    python3 scripts/gpu/profile_generate.py --variants base fp8 --prompts 128 --n 1 --prompt-len 4000 \
+        --max-tokens 256 --gpu-memory-utilization 0.8
+(n 1: prompts of their own, so no sequence reads another's cached blocks; the prefill is in the profile, ~5% of
+the attention's time at these sizes).
+
 Definitions (per generate, ``iterations`` = model executions with scheduled tokens):
 - gpu_busy_fraction: union of kernel intervals / wall, under the profiler; gpu_busy_fraction_unprofiled
   is that kernel time over an unprofiled generate's wall (the profiler slows the host, not the GPU).
@@ -21,6 +27,10 @@ Definitions (per generate, ``iterations`` = model executions with scheduled toke
   the kernels (base, no_async, dict_logprobs) must agree (compile changes the arithmetic).
 - engine_steps_per_token: LLMEngine.step calls / max_tokens (every sample runs to max_tokens: random
   weights, no eos id); iterations_per_token likewise.
+- kv_read_tb_per_s: the trace's KV cache reads over the loop's wall (gen_kv_read_tb_per_s, unprofiled);
+  attention_s: the profiled generate's GPU time in attention kernels (names holding "attn" or "attention"),
+  attention_share its part of all kernel time, attention_tb_per_s the KV reads over it: the attention kernel's
+  own rate against the GPU's memory bandwidth (H100 3.35, H200 4.8 TB/s).
 """
 
 import argparse
@@ -46,6 +56,7 @@ VARIANTS = {
     "dict_logprobs": {},
     "seqs256": {"max_num_seqs": 256},
     "eager": {"enforce_eager": True},
+    "fp8": {"kv_cache_dtype": "fp8"},
 }
 """GeneratorConfig overrides per variant (base: the loop's config). dict_logprobs: base with vLLM's
 per-token logprob dicts (flat_logprobs off), the host path before flat logprobs."""
@@ -80,11 +91,11 @@ def worker(variant: str, args) -> dict:
     from torchtitan_rl.weight_sync.sync import WeightSync
 
     cuda = args.device == "cuda"
-    max_len = 1024 if cuda else args.prompt_len + args.max_tokens
+    max_len = max(1024, args.prompt_len + args.max_tokens) if cuda else args.prompt_len + args.max_tokens
     shape = resolve_shape(flavor=args.flavor, hf_checkpoint=None, vocab_size=0 if cuda else 16, max_seq_len=max_len)
     titan = build_titan_model(shape, seed=0, device=args.device)
     config = GeneratorConfig(max_model_len=max_len, max_num_seqs=args.prompts * args.n, enforce_eager=False,
-                             gpu_memory_utilization=0.5, kv_cache_memory_gb=1.0)
+                             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=1.0)
     for key, value in VARIANTS[variant].items():
         setattr(config, key, value)
     config.check("generator")
@@ -118,7 +129,7 @@ def worker(variant: str, args) -> dict:
 
     digests = {}
 
-    def generate(seed: int = 1) -> tuple[float, int, dict]:
+    def generate(seed: int = 1) -> tuple[float, int, dict, object]:
         counts.update(engine_steps=0, iterations=0)
         t = time.perf_counter()
         rollouts = gen.generate(prompts, n=args.n, sampling=sampling, seed=seed)
@@ -127,20 +138,22 @@ def worker(variant: str, args) -> dict:
         # (async scheduling on/off, dict logprobs): compare these across variants.
         digests.setdefault("samples_digest", hashlib.sha256(json.dumps(rollouts.completion_ids).encode()).hexdigest())
         digests.setdefault("logprobs_digest", hashlib.sha256(json.dumps(rollouts.logprobs).encode()).hexdigest())
-        return wall, sum(len(c) for c in rollouts.completion_ids), dict(counts)
+        return wall, sum(len(c) for c in rollouts.completion_ids), dict(counts), rollouts.trace
 
     generate()  # warm-up
     runs = [generate() for _ in range(args.repeats)]
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        wall, tokens, prof_counts = generate()
+        wall, tokens, prof_counts, prof_trace = generate()
     union_s, kernel_sum_s = kernel_union_s(prof)
     averages = prof.key_averages()
     blocked = sum(e.cpu_time_total for e in averages if "Synchronize" in e.key) / 1e6
     top = sorted((e for e in averages if e.self_device_time_total > 0),
                  key=lambda e: e.self_device_time_total, reverse=True)[:8]
     iterations = prof_counts["iterations"]
+    attention_s = sum(e.self_device_time_total for e in averages
+                      if "attn" in e.key.lower() or "attention" in e.key.lower()) / 1e6
     gen_s = statistics.median(r[0] for r in runs)
 
     # The in-place promise with this variant's graphs (and compile): one weight changed through the sync.
@@ -174,6 +187,9 @@ def worker(variant: str, args) -> dict:
         "host_blocked_s": blocked,
         "host_ms_per_iteration": 1e3 * (wall - blocked) / iterations,
         "top_gpu_kernels": [(e.key[:80], round(e.self_device_time_total / 1e3, 1)) for e in top],
+        "kv_read_tb_per_s": statistics.median(r[3].kv_read_rate for r in runs) / 1e12,
+        "attention_s": attention_s, "attention_share": attention_s / kernel_sum_s if kernel_sum_s else 0.0,
+        "attention_tb_per_s": prof_trace.kv_read_bytes / attention_s / 1e12 if attention_s else 0.0,
         **digests,
         "one_weight_change_changes_samples": before.completion_ids != after.completion_ids,
         "one_weight_change_changes_logprobs": before.logprobs != after.logprobs,
@@ -191,6 +207,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="profile_generate.json goes here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -202,7 +219,7 @@ def main() -> None:
     results = []
     passthrough = ["--flavor", args.flavor, "--device", args.device, "--prompts", str(args.prompts), "--n", str(args.n),
                    "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants:
             worker_out = Path(tmp) / f"{variant}.json"
@@ -215,7 +232,9 @@ def main() -> None:
                 print(f"[profile_generate] {variant}: {r['tokens_per_s']:.0f} tokens/s, GPU busy "
                       f"{r['gpu_busy_fraction_unprofiled']:.0%} (profiled {r['gpu_busy_fraction']:.0%}), "
                       f"{r['engine_steps_per_token']:.2f} engine steps/token, host {r['host_ms_per_iteration']:.1f} "
-                      f"ms/iteration, GPU {r['gpu_ms_per_iteration']:.1f} ms/iteration, "
+                      f"ms/iteration, GPU {r['gpu_ms_per_iteration']:.1f} ms/iteration, KV reads "
+                      f"{r['kv_read_tb_per_s']:.2f} TB/s (attention kernels {r['attention_tb_per_s']:.2f} TB/s, "
+                      f"{r['attention_share']:.0%} of kernel time), "
                       f"one-weight change seen: {r['one_weight_change_changes_logprobs']}", flush=True)
             else:
                 results.append({"variant": variant, "exit": proc.returncode})
