@@ -12,7 +12,7 @@ tokens. JSON per variant is written as soon as it is done, so a call that runs o
     python3 scripts/gpu/profile_generate.py [--variants base no_async compile dict_logprobs] [--out DIR]
 
 Long contexts (issue 39: what an engine step costs when its attention reads thousands of tokens a sequence):
-    python3 scripts/gpu/profile_generate.py --variants base fp8 --prompts 128 --n 1 --prompt-len 4000 \
+    python3 scripts/gpu/profile_generate.py --variants base fp8 --prompts 96 --n 1 --prompt-len 4000 \
         --max-tokens 256 --gpu-memory-utilization 0.8
 (n 1: prompts of their own, so no sequence reads another's cached blocks; the prefill is in the profile, ~5% of
 the attention's time at these sizes).
