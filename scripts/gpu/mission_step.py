@@ -5,7 +5,9 @@ Runs the command itself (a subprocess, as a user does) with ``--trainer.steps`` 
 set, then reads the run's metrics.jsonl (``<output_dir>/latest``) and writes to ``--out``:
 mission_<name>.json (medians of steps ``--skip``.., every step's step_s / generate_s / train_s / sync_s /
 gen_tokens_per_s and the loop's other timers; ``start_s``: from the command to step 0's start, i.e. the
-engine's and trainer's builds; ``exit_lag_s``: from the run's last line to the process's end) and
+engine's and trainer's builds; ``exit_lag_s``: from the run's last line to the process's end, what a shell
+waits; ``output_closed_lag_s``: to the end of its output, later when a child it left (a compile worker) still
+holds the pipe, what ``| tee`` waits) and
 mission_<name>_metrics.jsonl (the run's own file; links do not come back from $OUT). ``--launch N`` runs it
 under ``python -m torchtitan_rl.launch --nproc-per-node N``; ``--cap-gib G`` under scripts/gpu/capped.py.
 
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -29,8 +32,17 @@ OTHER = ("wait_rollouts_s", "evaluation_s", "build_s", "recompute_s", "log_s", "
 """The loop's other timers (absent from runs before they existed)."""
 
 
-def timed_lines(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], float]:
-    """The process's output lines (a progress bar's \\r ends one) with their arrival times, echoed, and its end."""
+def timed_lines(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], float, float]:
+    """The process's output lines (a progress bar's \\r ends one) with their arrival times, echoed; when the
+    process ended; when its output closed (every process holding the pipe gone)."""
+    ended = []
+
+    def wait() -> None:
+        proc.wait()
+        ended.append(time.perf_counter())
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
     lines, tail = [], b""
     while chunk := os.read(proc.stdout.fileno(), 65536):
         now = time.perf_counter()
@@ -38,10 +50,11 @@ def timed_lines(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], float]
         sys.stdout.flush()
         *done, tail = (tail + chunk).replace(b"\r", b"\n").split(b"\n")
         lines += [(now, line.decode(errors="replace")) for line in done if line.strip()]
-    proc.wait()
+    closed = time.perf_counter()
+    waiter.join()
     if tail.strip():
-        lines.append((time.perf_counter(), tail.decode(errors="replace")))
-    return lines, time.perf_counter()
+        lines.append((closed, tail.decode(errors="replace")))
+    return lines, ended[0], closed
 
 
 def main() -> None:
@@ -69,7 +82,7 @@ def main() -> None:
     print("[mission_step]", " ".join(cmd), flush=True)
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines, ended = timed_lines(proc)
+    lines, ended, closed = timed_lines(proc)
     wall = ended - t
     metrics = output_dir / "latest" / "metrics.jsonl"
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r] if metrics.is_file() else []
@@ -81,7 +94,9 @@ def main() -> None:
         "name": args.name, "command": cmd[1:], "env": args.env, "exit": proc.returncode, "wall_s": wall,
         "steps": len(records),
         "start_s": first_done - t - records[0]["step_s"] if first_done is not None and records else None,
-        "exit_lag_s": ended - lines[-1][0] if lines else None, "last_line": lines[-1][1][-300:] if lines else None,
+        "exit_lag_s": ended - lines[-1][0] if lines else None,
+        "output_closed_lag_s": closed - lines[-1][0] if lines else None,
+        "last_line": lines[-1][1][-300:] if lines else None,
         "median": {k: statistics.median(r[k] for r in kept) for k in keys} if kept else {},
         "per_step": {k: [round(r[k], 4) for r in records] for k in keys},
     }
@@ -89,8 +104,8 @@ def main() -> None:
     (out / f"mission_{args.name}.json").write_text(json.dumps(summary, indent=1))
     if metrics.is_file():
         shutil.copyfile(metrics, out / f"mission_{args.name}_metrics.jsonl")
-    print(json.dumps({k: summary[k] for k in ("name", "exit", "wall_s", "start_s", "exit_lag_s", "steps", "median")},
-                     indent=1), flush=True)
+    print(json.dumps({k: summary[k] for k in ("name", "exit", "wall_s", "start_s", "exit_lag_s", "output_closed_lag_s",
+                                              "steps", "median")}, indent=1), flush=True)
     if proc.returncode:
         raise SystemExit(proc.returncode)
 

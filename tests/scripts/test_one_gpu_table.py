@@ -1,5 +1,6 @@
 """scripts/gpu/one_gpu_table.py: issue 41's section of docs/benchmarks.md from one_gpu.sh's raw result files."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -79,7 +80,7 @@ def test_mission_step_times_a_real_run_and_the_table_shows_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads((out / "mission_mission.json").read_text())
     assert got["exit"] == 0 and got["steps"] == 2 and got["last_line"].startswith("torchtitan_rl: mean reward")
-    assert 0 < got["start_s"] < got["wall_s"] and 0 <= got["exit_lag_s"] < 2.0, got
+    assert 0 < got["start_s"] < got["wall_s"] and 0 <= got["exit_lag_s"] < 2.0 and got["output_closed_lag_s"] < 2.0, got
     assert {"step_s", "build_s", "recompute_s", "evaluation_s", "log_s"} <= set(got["median"])
     assert got["median"]["recompute_s"] <= got["median"]["build_s"] < got["median"]["step_s"]
     subprocess.run([sys.executable, str(TABLE), "--results", str(out), "--write", str(tmp_path / "b.md")], check=True,
@@ -87,3 +88,15 @@ def test_mission_step_times_a_real_run_and_the_table_shows_it(tmp_path):
     row = next(line for line in (tmp_path / "b.md").read_text().splitlines()
                if line.startswith("| mission step, one GPU, first start"))
     assert "| a CPU | 0 |" in row
+
+
+def test_the_exit_is_the_process_s_end_and_the_output_closes_when_its_last_holder_goes():
+    """A child left holding the pipe (as a compile worker can) delays the output's end, not the process's."""
+    spec = importlib.util.spec_from_file_location("mission_step", REPO / "scripts" / "gpu" / "mission_step.py")
+    mission_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mission_step)
+    proc = subprocess.Popen(["bash", "-c", "echo last; (sleep 2; echo) & exit 0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    lines, ended, closed = mission_step.timed_lines(proc)
+    assert [line for _, line in lines] == ["last"] and proc.returncode == 0
+    assert ended - lines[-1][0] < 1.0 and closed - lines[-1][0] > 1.5, (ended, closed, lines)
