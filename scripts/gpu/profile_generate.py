@@ -28,7 +28,8 @@ Definitions (per generate, ``iterations`` = model executions with scheduled toke
 - engine_steps_per_token: LLMEngine.step calls / max_tokens (every sample runs to max_tokens: random
   weights, no eos id); iterations_per_token likewise.
 - kv_read_tb_per_s: the trace's KV cache reads over the loop's wall (gen_kv_read_tb_per_s, unprofiled);
-  attention_s: the profiled generate's GPU time in attention kernels (names holding "attn" or "attention"),
+  attention_s: the profiled generate's GPU time in attention kernels (names holding "attn", "attention" or
+  "flash": FlashAttention's, its split-KV combine, vLLM's reshape_and_cache_flash that writes the cache),
   attention_share its part of all kernel time, attention_tb_per_s the KV reads over it: the attention kernel's
   own rate against the GPU's memory bandwidth (H100 3.35, H200 4.8 TB/s).
 """
@@ -153,7 +154,7 @@ def worker(variant: str, args) -> dict:
                  key=lambda e: e.self_device_time_total, reverse=True)[:8]
     iterations = prof_counts["iterations"]
     attention_s = sum(e.self_device_time_total for e in averages
-                      if "attn" in e.key.lower() or "attention" in e.key.lower()) / 1e6
+                      if any(part in e.key.lower() for part in ("attn", "attention", "flash"))) / 1e6
     gen_s = statistics.median(r[0] for r in runs)
 
     # The in-place promise with this variant's graphs (and compile): one weight changed through the sync.
