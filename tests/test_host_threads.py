@@ -63,6 +63,7 @@ def test_the_engine_loop_runs_on_its_own_thread_count_and_gives_the_process_its_
         assert torch.get_num_threads() == before
 
 
+@pytest.mark.slow  # a two-rank run with an engine each: ~18 s
 def test_each_rank_of_a_two_process_run_takes_half_the_cores(tmp_path):
     """Two ranks started by torchtitan_rl.launch with no OMP_NUM_THREADS: torchrun's agent gives each rank
     OMP_NUM_THREADS=1 (a 30B run's CPU optimizer then ran on one core per rank); left to torch, each would run a
