@@ -31,6 +31,10 @@ def main() -> None:
         sharded, whole = full_params(True, hf_dir), full_params(False, hf_dir)
         if dist.get_rank() == 0:
             torch.save({"sharded": sharded, "whole": whole}, out_dir / f"{i}.pt")
+    # Left to interpreter teardown, gloo's threads can abort a finished rank ("terminate called without an active
+    # exception", seen in CI on 2026-11-28): the group goes first, as simple_grpo's does.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
