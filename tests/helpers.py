@@ -1,9 +1,11 @@
 """Shared by the tests: tiny models (Qwen3 or Llama family), a generator on them, and the bf16 checks."""
 
 import copy
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +78,15 @@ def free_port() -> int:
                 continue
             return port
     raise AssertionError("no free port in 20000..ephemeral range")
+
+
+def load_script(relative: str) -> types.ModuleType:
+    """A script under the repository (not a package: scripts/gpu/*.py) imported as a module, for its functions."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_shape(flavor: str = "tiny") -> ModelShape:

@@ -65,11 +65,11 @@ def test_the_kv_bytes_read_are_the_contexts_the_samples_decode_over(engine):
     shape = resolve_shape(flavor="tiny", hf_checkpoint=None, vocab_size=16, max_seq_len=512)
     assert engine.kv_token_bytes == shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim * 2
     r = engine.generate(PROMPTS, n=4, seed=0, sampling=SAMPLING, lengths=TAIL)
+    samples = list(zip([p for p in PROMPTS for _ in range(4)], r.completion_ids))
     # token t of a sample attends over its prompt and the t tokens before it
-    tokens = sum(len(p) * len(c) + len(c) * (len(c) - 1) // 2 for p, c in zip(
-        [p for p in PROMPTS for _ in range(4)], r.completion_ids))
+    tokens = sum(len(p) * len(c) + len(c) * (len(c) - 1) // 2 for p, c in samples)
     # one step of slack a sample: vLLM counts a token's KV computed when it schedules it (async scheduling)
-    slack = sum(len(p) + len(c) for p, c in zip([p for p in PROMPTS for _ in range(4)], r.completion_ids))
+    slack = sum(len(p) + len(c) for p, c in samples)
     read = r.trace.kv_read_bytes / engine.kv_token_bytes
     assert abs(read - tokens) <= slack < tokens / 4, (read, tokens, slack)
     assert r.trace.kv_read_rate == r.trace.kv_read_bytes / r.trace.wall_s

@@ -1,6 +1,5 @@
 """scripts/gpu/one_gpu_table.py: issue 41's section of docs/benchmarks.md from one_gpu.sh's raw result files."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -8,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, load_script
 
 TABLE = REPO / "scripts" / "gpu" / "one_gpu_table.py"
 
@@ -92,9 +91,7 @@ def test_mission_step_times_a_real_run_and_the_table_shows_it(tmp_path):
 
 def test_the_exit_is_the_process_s_end_and_the_output_closes_when_its_last_holder_goes():
     """A child left holding the pipe (as a compile worker can) delays the output's end, not the process's."""
-    spec = importlib.util.spec_from_file_location("mission_step", REPO / "scripts" / "gpu" / "mission_step.py")
-    mission_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mission_step)
+    mission_step = load_script("scripts/gpu/mission_step.py")
     proc = subprocess.Popen(["bash", "-c", "echo last; (sleep 1.5; echo) & exit 0"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     lines, ended, closed = mission_step.timed_lines(proc)

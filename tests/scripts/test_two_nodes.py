@@ -1,13 +1,9 @@
 """scripts/gpu/two_nodes.py's reading of nvidia-smi: a rank that took its GPU from RANK instead of LOCAL_RANK is
 marked wrong in the table (the GPU run is where the device rule runs for real: docs/cluster.md)."""
 
-import importlib.util
-from pathlib import Path
+from tests.helpers import load_script
 
-REPO = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("two_nodes", REPO / "scripts" / "gpu" / "two_nodes.py")
-two_nodes = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(two_nodes)
+two_nodes = load_script("scripts/gpu/two_nodes.py")
 
 GPUS = "0, GPU-a\n1, GPU-b\n2, GPU-c\n3, GPU-d\n"
 """nvidia-smi --query-gpu=index,uuid --format=csv,noheader on a 4-GPU machine."""

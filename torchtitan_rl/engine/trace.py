@@ -37,7 +37,8 @@ class EngineTrace:
     """KV-cache bytes the iterations' attention read: each iteration's running contexts (tokens) times the bytes a
     token takes in the cache. A decode iteration reads every running sequence's whole context, so over a generate
     this is the sum over samples of ~(prompt x length + length^2 / 2) tokens: the bytes that bound a long-context
-    generate, whatever order its samples run in (docs/design.md, "The long tail")."""
+    generate, whatever order its samples run in (docs/design.md, "The long tail"). Exact to one step a sample: the
+    load is read between steps, and a sync's drain (a step that schedules nothing) still counts the contexts."""
 
     @property
     def tail_share(self) -> float:
