@@ -116,8 +116,9 @@ def section(missions: dict, sizes: dict) -> str:
         "- command: `ONE_GPU_ROWS='...' bash scripts/gpu/one_gpu.sh` (one device call per few rows; raw results in "
         "scripts/gpu/results/one_gpu/: mission_<row>.json, sizes.jsonl)",
         "- machine: each row names its GPU (nvidia-smi's name x the GPUs of the machine); on a card over 80 GB every "
-        "process ran capped at 79.2 GiB (scripts/gpu/capped.py: torch's per-process fraction, and vLLM's "
-        "gpu_memory_utilization and the memory estimate against 79.2 GiB)",
+        "process runs capped at 79.2 GiB (scripts/gpu/capped.py: the card's memory beyond it held by one allocation, "
+        "the memory queries reporting 79.2 GiB); the H200 rows of 2026-11-28 ran under its first version, which "
+        "capped torch's allocator only (vLLM sized its KV cache from the whole card: see below)",
         "",
         "run_configs/qwen3_0.6b.toml (Qwen3 shapes, random weights, 64 prompts x 8 x 256 tokens). Mission rows: medians "
         "of steps 1.. (14 steps; 6 and 8 for the second start and the host rows); start: from the command to step 0's "

@@ -354,8 +354,10 @@ def one_line_oom(where: str):
     try:
         yield
     except torch.OutOfMemoryError as e:
-        first = str(e).splitlines()[0] if str(e) else "out of memory"
-        raise ValueError(f"memory: CUDA ran out of memory at {where} ({first[:160]}); make room with {LEVERS}") \
+        # torch's account (the card's free bytes, this process's, PyTorch's allocated and reserved) tells a full card
+        # from a cap or fragmentation; its advice that follows is dropped.
+        said = " ".join(str(e).split()).split(" If reserved but unallocated")[0] or "out of memory"
+        raise ValueError(f"memory: CUDA ran out of memory at {where} ({said[:400]}); make room with {LEVERS}") \
             from None
     except RuntimeError as e:
         if "can't allocate memory" not in str(e):  # torch's CPU allocator: a RuntimeError, not OutOfMemoryError
