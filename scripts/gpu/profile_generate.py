@@ -15,7 +15,8 @@ Long contexts (issue 39: what an engine step costs when its attention reads thou
     python3 scripts/gpu/profile_generate.py --variants base fp8 --prompts 96 --n 1 --prompt-len 4000 \
         --max-tokens 256 --gpu-memory-utilization 0.8
 (n 1: prompts of their own, so no sequence reads another's cached blocks; the prefill is in the profile, ~5% of
-the attention's time at these sizes).
+the attention's time at these sizes). Variants triton and fp8_triton run vLLM's Triton attention instead of
+FlashAttention-3 (generator.attention_backend), whose fp8 path read at 56% of an H200's bandwidth (bf16: 90%).
 
 Definitions (per generate, ``iterations`` = model executions with scheduled tokens):
 - gpu_busy_fraction: union of kernel intervals / wall, under the profiler; gpu_busy_fraction_unprofiled
@@ -28,8 +29,9 @@ Definitions (per generate, ``iterations`` = model executions with scheduled toke
 - engine_steps_per_token: LLMEngine.step calls / max_tokens (every sample runs to max_tokens: random
   weights, no eos id); iterations_per_token likewise.
 - kv_read_tb_per_s: the trace's KV cache reads over the loop's wall (gen_kv_read_tb_per_s, unprofiled);
-  attention_s: the profiled generate's GPU time in attention kernels (names holding "attn", "attention" or
-  "flash": FlashAttention's, its split-KV combine, vLLM's reshape_and_cache_flash that writes the cache),
+  attention_s: the profiled generate's GPU time in attention kernels (names holding "attn", "attention", "flash"
+  or "reduce_segments": FlashAttention's or the Triton backend's, their split-KV combines, vLLM's
+  reshape_and_cache_flash that writes the cache),
   attention_share its part of all kernel time, attention_tb_per_s the KV reads over it: the attention kernel's
   own rate against the GPU's memory bandwidth (H100 3.35, H200 4.8 TB/s).
 """
@@ -58,9 +60,13 @@ VARIANTS = {
     "seqs256": {"max_num_seqs": 256},
     "eager": {"enforce_eager": True},
     "fp8": {"kv_cache_dtype": "fp8"},
+    "triton": {"attention_backend": "TRITON_ATTN"},
+    "fp8_triton": {"kv_cache_dtype": "fp8", "attention_backend": "TRITON_ATTN"},
 }
 """GeneratorConfig overrides per variant (base: the loop's config). dict_logprobs: base with vLLM's
 per-token logprob dicts (flat_logprobs off), the host path before flat logprobs."""
+ATTENTION_KERNELS = ("attn", "attention", "flash", "reduce_segments")
+"""Parts of the attention kernels' names (FlashAttention-3's, vLLM's Triton unified attention and its combine)."""
 
 
 def kernel_union_s(prof) -> tuple[float, float]:
@@ -154,7 +160,7 @@ def worker(variant: str, args) -> dict:
                  key=lambda e: e.self_device_time_total, reverse=True)[:8]
     iterations = prof_counts["iterations"]
     attention_s = sum(e.self_device_time_total for e in averages
-                      if any(part in e.key.lower() for part in ("attn", "attention", "flash"))) / 1e6
+                      if any(part in e.key.lower() for part in ATTENTION_KERNELS)) / 1e6
     gen_s = statistics.median(r[0] for r in runs)
 
     # The in-place promise with this variant's graphs (and compile): one weight changed through the sync.

@@ -121,6 +121,10 @@ def test_bad_cli_value_names_the_field(args, expected):
             "batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got 'fp8'",
         ),
         (
+            ["--batch-invariant-mode", "--generator.attention_backend", "TRITON_ATTN"], 1,
+            "batch_invariant_mode: needs generator.attention_backend 'auto' or 'FLASH_ATTN', got 'TRITON_ATTN'",
+        ),
+        (
             ["--batch-invariant-mode", "--model.lora.rank", "4", "--model.lora.sync", "merged"], 1,
             "batch_invariant_mode: needs model.lora.sync 'adapter'",
         ),

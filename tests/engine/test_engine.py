@@ -163,3 +163,10 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_serves_the_synced_weights(un
     assert check.error < miss / 4, (check, miss)
     attn = next(iter(gen.model.model.layers.values())).attention.inner_attention.attn
     assert attn.kv_cache_dtype == "fp8" and attn.kv_cache[0].element_size() == 1  # what vLLM allocated
+
+
+def test_a_gpu_attention_backend_on_a_cpu_engine_is_refused_in_one_line(tmp_path):
+    """generator.attention_backend picks a GPU engine's kernels: a CPU engine says so before vLLM builds anything."""
+    with pytest.raises(ValueError, match=r"^generator.attention_backend: 'TRITON_ATTN' picks a GPU engine's kernels; "
+                                         r"vLLM's CPU backend has its own: set it to 'auto'$"):
+        make_generator(tmp_path, attention_backend="TRITON_ATTN")

@@ -258,6 +258,11 @@ class GeneratorConfig:
     """KV-cache size on CPU in GiB (vLLM's CPU backend needs it explicit)."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """auto: the KV cache in the model's dtype; fp8: in float8 (vLLM's kv_cache_dtype, scales of 1): half the bytes, so twice the tokens in the same memory and half the KV reads of a long-context decode step (the long tail's bound, docs/benchmarks.md), at the cost of a larger gap between the generator's logprobs and the trainer's (grpo.importance_correction sees it). Not in batch_invariant_mode. vLLM's CPU backend needs AVX-512 or AMX and head_dim a multiple of 32."""
+    attention_backend: Literal["auto", "FLASH_ATTN", "TRITON_ATTN"] = "auto"
+    """A GPU engine's attention kernels (vLLM's attention_backend): auto: vLLM's pick (FLASH_ATTN on Hopper, FA3);
+    TRITON_ATTN: vLLM's Triton kernels, which read an fp8 KV cache their own way (FA3 reads one at about half the
+    H200's bandwidth, docs/benchmarks.md "The long tail"). batch_invariant_mode reads the cache in FLASH_ATTN's
+    layout; vLLM's CPU backend has its own kernels (auto only)."""
     seeded_noise: Literal["vllm", "batched"] = "vllm"
     """How a GPU engine draws each sample's seeded noise every decode step (every sample is its own seeded request): vllm: vLLM's sampler, a kernel per sample (512 a step at the mission's batch); batched: one kernel for all, each row from its seed and draw count (kernels/seeded_noise.py): a seed gives the same samples in any layout, but other samples than with vllm. Process-wide. CPU engines sample as vLLM's CPU backend does either way."""
     loop_threads: int = 0

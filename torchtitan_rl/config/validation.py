@@ -246,6 +246,9 @@ def _check_batch_invariant(cfg: JobConfig) -> None:
     if cfg.generator.kv_cache_dtype != "auto":
         raise ValueError(f"batch_invariant_mode: needs generator.kv_cache_dtype 'auto', got "
                          f"'{cfg.generator.kv_cache_dtype}' (the trainer attends over unrounded keys and values)")
+    if cfg.generator.attention_backend not in ("auto", "FLASH_ATTN"):
+        raise ValueError(f"batch_invariant_mode: needs generator.attention_backend 'auto' or 'FLASH_ATTN', got "
+                         f"'{cfg.generator.attention_backend}' (its kernel reads the KV cache in FLASH_ATTN's layout)")
     if cfg.model.lora.rank and cfg.model.lora.sync == "merged":
         raise ValueError(
             "batch_invariant_mode: needs model.lora.sync 'adapter' (merged W + BA cannot be "

@@ -209,6 +209,7 @@ class Engine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=int(config.kv_cache_memory_gb * (1 << 30)),
             kv_cache_dtype=config.kv_cache_dtype,
+            attention_backend=config.attention_backend,
             batch_invariant=batch_invariant,
             tokenizer=tokenizer_dir,
             enable_sleep_mode=config.sleep != "off",

@@ -21,6 +21,7 @@ def build_llm_engine(
     gpu_memory_utilization: float,
     kv_cache_memory_bytes: int,
     batch_invariant: bool,
+    attention_backend: str = "auto",
     tokenizer: str | None = None,
     **engine_kwargs,
 ):
@@ -45,6 +46,9 @@ def build_llm_engine(
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
     if device == "cpu":
+        if attention_backend != "auto":
+            raise ValueError(f"generator.attention_backend: '{attention_backend}' picks a GPU engine's kernels; "
+                             "vLLM's CPU backend has its own: set it to 'auto'")
         compat.vllm_sampler_rank_kernel_eager()  # seconds of compiling per process start, saved (compat.py)
         # vLLM's CPU backend sizes its KV cache from an explicit byte budget.
         if "kv_cache_memory_bytes" in fields:
@@ -63,6 +67,8 @@ def build_llm_engine(
             # kernels/paged_attention.py reads the KV cache in FLASH_ATTN's layout
             # (vllm_paged_kv_cache); vLLM's pick on Hopper, made explicit.
             kwargs["attention_backend"] = "FLASH_ATTN"
+        elif attention_backend != "auto":
+            kwargs["attention_backend"] = attention_backend
     unknown = [k for k in kwargs if k not in fields]
     assert not unknown, f"EngineArgs of this vLLM lacks {unknown}"
     _keep_groups_while_their_world_lives()
