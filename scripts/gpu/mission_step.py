@@ -7,7 +7,8 @@ mission_<name>.json (medians of steps ``--skip``.., every step's step_s / genera
 gen_tokens_per_s and the loop's other timers; ``start_s``: from the command to step 0's start, i.e. the
 engine's and trainer's builds; ``exit_lag_s``: from the run's last line to the process's end, what a shell
 waits; ``output_closed_lag_s``: to the end of its output, later when a child it left (a compile worker) still
-holds the pipe, what ``| tee`` waits) and
+holds the pipe, what ``| tee`` waits; ``returned_lag_s``: to the run's main returning, after which only the
+process's own end is left, os._exit's teardown in the kernel and the GPU driver) and
 mission_<name>_metrics.jsonl (the run's own file; links do not come back from $OUT). ``--launch N`` runs it
 under ``python -m torchtitan_rl.launch --nproc-per-node N``; ``--cap-gib G`` under scripts/gpu/capped.py.
 
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+from torchtitan_rl.run.exits import EXIT_TIMES  # noqa: E402
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "gen_tokens_per_s")
 OTHER = ("wait_rollouts_s", "evaluation_s", "build_s", "recompute_s", "log_s", "checkpoint_s")
 """The loop's other timers (absent from runs before they existed)."""
@@ -78,11 +81,13 @@ def main() -> None:
         if args.launch else []
     cmd = [sys.executable, *launch, *grpo, "--config", args.config, "--trainer.steps", str(args.steps),
            "--job.output_dir", str(output_dir), *overrides]
-    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env)}
+    times = output_dir / "exit_times.json"  # not in the run folder: run/folder.py owns what is there
+    env = {**os.environ, **dict(kv.split("=", 1) for kv in args.env), EXIT_TIMES: str(times)}
     print("[mission_step]", " ".join(cmd), flush=True)
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     lines, ended, closed = timed_lines(proc)
+    clock = time.time() - time.perf_counter()  # perf_counter's times as wall-clock ones (the run writes those)
     wall = ended - t
     metrics = output_dir / "latest" / "metrics.jsonl"
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r] if metrics.is_file() else []
@@ -96,6 +101,8 @@ def main() -> None:
         "start_s": first_done - t - records[0]["step_s"] if first_done is not None and records else None,
         "exit_lag_s": ended - lines[-1][0] if lines else None,
         "output_closed_lag_s": closed - lines[-1][0] if lines else None,
+        "returned_lag_s": json.loads(times.read_text())["main_returned"] - clock - lines[-1][0]
+        if lines and times.is_file() else None,
         "last_line": lines[-1][1][-300:] if lines else None,
         "median": {k: statistics.median(r[k] for r in kept) for k in keys} if kept else {},
         "per_step": {k: [round(r[k], 4) for r in records] for k in keys},
@@ -105,7 +112,7 @@ def main() -> None:
     if metrics.is_file():
         shutil.copyfile(metrics, out / f"mission_{args.name}_metrics.jsonl")
     print(json.dumps({k: summary[k] for k in ("name", "exit", "wall_s", "start_s", "exit_lag_s", "output_closed_lag_s",
-                                              "steps", "median")}, indent=1), flush=True)
+                                              "returned_lag_s", "steps", "median")}, indent=1), flush=True)
     if proc.returncode:
         raise SystemExit(proc.returncode)
 

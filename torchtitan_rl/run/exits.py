@@ -26,6 +26,9 @@ ORPHAN_CHECK_S = 1.0
 """How often a torchrun rank checks that its launcher (torchrun's agent) still lives."""
 
 
+EXIT_TIMES = "TORCHTITAN_RL_EXIT_TIMES"
+"""Environment variable a timing harness sets (scripts/gpu/mission_step.py): a file where rank 0 writes the wall-clock
+time its ``main`` returned, just before ``os._exit``: what comes after is the kernel's and the driver's teardown."""
 PEER_DEATH_WAIT_S = 2.0
 """How long a failed rank looks for a dead peer to blame before it reports its own error."""
 
@@ -105,6 +108,8 @@ def end_when_done(main: Callable[[], None]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     sys.stdout.flush()
     sys.stderr.flush()
+    if (path := os.environ.get(EXIT_TIMES)) and os.environ.get("RANK", "0") == "0":
+        Path(path).write_text(json.dumps({"main_returned": time.time()}))
     os._exit(code)
 
 
