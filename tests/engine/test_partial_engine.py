@@ -112,6 +112,16 @@ def test_the_stop_rule_waits_for_the_needed_and_due_groups_and_cut_samples_finis
             c = first.completion_ids[i * n + j]
             assert len(c) == t if first.finished[i * n + j] else len(c) < t
     assert not all(first.finished), "a sample left to cut (the lengths drawn for seed 3 differ)"
+    # The engine steps after the needed group finished ran for the due one (a token a step each; async scheduling
+    # adds the batch in flight when the request stops): the trace counts them.
+    late = engine.generate(prompts, n=n, seed=seed, lengths=lengths, partial=PartialRequest(
+        so_far=_new(prompts, n), groups=groups, need=1, due=[False, True, False]))
+    need_at = min(max(g) for g in target)  # the decode step that finishes the first group
+    for out, due in ((first, 2), (late, 1)):
+        extra = max(target[due]) - need_at
+        assert extra <= out.trace.after_need_iterations <= extra + 2, (target, due, out.trace)
+        assert out.trace.metrics()["gen_after_need_s"] == out.trace.after_need_s > 0
+    assert late.trace.after_need_iterations - first.trace.after_need_iterations == max(target[1]) - max(target[2])
     # Continued, every cut sample runs to the length drawn for it: its identity (group, sample) is kept.
     rest = engine.generate(prompts, n=n, seed=seed, lengths=lengths, partial=PartialRequest(
         so_far=first, groups=groups, need=3, due=[False] * 3))

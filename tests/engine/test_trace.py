@@ -58,7 +58,8 @@ def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
                            lengths=HarnessLengthsConfig(distribution="lognormal", median=30, p90=31)).trace
     assert even.tail_iterations <= 3 and even.batch_fill > 0.7 > tail.batch_fill
     assert set(tail.metrics()) == {"gen_tail_share", "gen_tail_s", "gen_batch_fill", "gen_preemptions",
-                                   "gen_iterations", "gen_kv_read_gb", "gen_kv_read_tb_per_s"}
+                                   "gen_iterations", "gen_after_need_s", "gen_kv_read_gb", "gen_kv_read_tb_per_s"}
+    assert tail.after_need_s == 0 == tail.after_need_iterations  # no partial request: no groups it needs
 
 
 def test_the_kv_bytes_read_are_the_contexts_the_samples_decode_over(engine):

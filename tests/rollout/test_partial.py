@@ -62,7 +62,7 @@ def test_the_oldest_finished_groups_train_and_the_rest_wait_with_their_tokens():
     assert batch.completion_ids == [[2] * 3, [3] * 3, [4] * 3, [5] * 3] and batch.finished is None
     assert batch.generated == 18 and batch.versions == [[0] * 3] * 4
     assert buffer.stats == {"partial_carried_samples": 1.0, "partial_carried_groups": 1.0,
-                            "partial_dropped_samples": 0.0}
+                            "partial_dropped_samples": 0.0, "partial_due_groups": 0.0}
     # Next request: group 0 first (carried, its finished sample kept as is), then two new groups.
     assert buffer.new_groups_wanted() == 2
     pool, ask = buffer.request(1, _prompts(13, 14), seed=0)
@@ -76,7 +76,7 @@ def test_the_oldest_finished_groups_train_and_the_rest_wait_with_their_tokens():
     prompts, batch = buffer.take(pool, answer)
     assert [p.target for p in prompts] == [10, 13]
     assert batch.versions[1] == [0, 0, 0, 1, 1] and batch.logprobs[1] == [-1.0] * 3 + [-2.0] * 2
-    assert batch.generated == 4
+    assert batch.generated == 4 and buffer.stats["partial_due_groups"] == 1
 
 
 def test_more_due_groups_than_a_step_trains_are_dropped_and_counted():

@@ -60,8 +60,9 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert off[6] == "1.00"  # generated / trained: without partial rollouts every sampled token trains
     assert off[7] == "1.00x" and rows["a-0.6B-on"][7] == "1.00x"  # the same run: no speed-up
     assert rows["d-0.6B-on"][7] == "n/a"  # its baseline, b-0.6B-off, has not run
-    tail_share, fill = (int(c.rstrip("%")) for c in off[8:10])
-    assert tail_share >= 30 and fill < 50  # drawn lengths of median 6 up to 48: a real tail
+    tail_share, after_need = off[8].split()
+    assert int(tail_share.rstrip("%")) >= 30 and int(off[9].rstrip("%")) < 50  # lengths of median 6 up to 48: a tail
+    assert after_need == "(0%)"  # no partial rollouts: nothing runs after the groups a step needs
     assert float(off[10]) > 0  # the KV cache's reads a second (TB/s, three significant digits: tiny on a CPU)
     assert "Not run yet: b-0.6B-off, b-0.6B-on, d-0.6B-off, a-1.7B-off" in proc.stdout
     missing = proc.stdout.split("Not run yet:")[1].split("\n")[0]

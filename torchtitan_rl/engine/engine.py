@@ -454,6 +454,7 @@ class Engine:
                     on_group(g, rows(g * n, (g + 1) * n))
         trace = TraceRecorder(sequences=len(group_of), max_num_seqs=self.config.max_num_seqs,
                               kv_token_bytes=self.kv_token_bytes)
+        groups_done = left.count(0)  # finished in earlier requests
         paused = False  # a sync waits for the batch in flight (async scheduling): nothing new is scheduled
         try:
             # vLLM's per-token objects (docs/design.md); the loop's small CPU ops on one thread (loop_threads).
@@ -467,10 +468,14 @@ class Engine:
                             self._running.pop(out.request_id, None)
                             g = group_of[out.request_id]
                             left[g] -= 1
-                            if not left[g] and on_group is not None:
-                                on_group(g, rows(g * n, (g + 1) * n))
+                            if not left[g]:
+                                groups_done += 1
+                                if on_group is not None:
+                                    on_group(g, rows(g * n, (g + 1) * n))
                     running, waiting, preempted, context = compat.scheduler_load(self.engine)
                     trace.iteration(running=running, waiting=waiting, preempted=preempted, context=context)
+                    if partial is not None and groups_done >= partial.need:
+                        trace.need_met()  # the steps from here on run for due groups or the token budget
                     if partial is not None and self._running and partial_stop(
                             partial, unfinished={group_of[rid] for rid in self._running},
                             generated=lambda: _generated(self.engine, finished)):

@@ -33,6 +33,11 @@ class EngineTrace:
     """Slot-seconds: min(generator.max_num_seqs, sequences) x wall_s, the most running_s could be."""
     preemptions: int = 0
     """Times vLLM's scheduler preempted one of the sequences (KV cache full: its blocks freed, recomputed later)."""
+    after_need_s: float = 0.0
+    """Partial rollouts: seconds the loop ran after grpo.prompts_per_step of its groups had finished, for the groups
+    due to finish (grpo.partial.max_token_age) or the token budget; 0 without partial rollouts."""
+    after_need_iterations: int = 0
+    """The engine steps of those seconds."""
     kv_read_bytes: int = 0
     """KV-cache bytes the iterations' attention read: each iteration's running contexts (tokens) times the bytes a
     token takes in the cache. A decode iteration reads every running sequence's whole context, so over a generate
@@ -61,6 +66,7 @@ class EngineTrace:
         """The step's metrics.jsonl keys (run/metrics.py)."""
         return {"gen_tail_share": self.tail_share, "gen_tail_s": self.tail_s, "gen_batch_fill": self.batch_fill,
                 "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations),
+                "gen_after_need_s": self.after_need_s,
                 "gen_kv_read_gb": self.kv_read_bytes / 1e9, "gen_kv_read_tb_per_s": self.kv_read_rate / 1e12}
 
     @staticmethod
@@ -80,6 +86,12 @@ class TraceRecorder:
         self.running, self.unfinished, self.context = 0, sequences, 0  # before the first step: nothing scheduled
         self.preempted: dict[str, int] = {}
         """Request id -> the most preemptions seen for it."""
+        self.needed = False
+        """The groups a partial request needs have finished (``need_met``)."""
+
+    def need_met(self) -> None:
+        """A partial request's needed groups have finished: the loop's time from here on is after_need_s."""
+        self.needed = True
 
     def iteration(self, *, running: int, waiting: int, preempted: dict[str, int], context: int) -> None:
         """One engine step just returned; ``running``/``waiting``: the scheduler's load now; ``preempted``:
@@ -95,6 +107,9 @@ class TraceRecorder:
         if self.unfinished < TAIL_FRACTION * t.sequences:
             t.tail_s += dt
             t.tail_iterations += 1
+        if self.needed:
+            t.after_need_s += dt
+            t.after_need_iterations += 1
         self.last, self.running, self.unfinished, self.context = now, running, running + waiting, context
         self.preempted.update(preempted)
 

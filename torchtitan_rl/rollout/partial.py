@@ -118,6 +118,7 @@ class UnfinishedBuffer:
             "partial_carried_samples": float(sum(f is False for g in kept for f in g.so_far.finished)),
             "partial_carried_groups": float(len(kept)),
             "partial_dropped_samples": float(dropped),
+            "partial_due_groups": float(sum(pool.request.due)),
         }
         return [pool.groups[i].prompt for i in sorted(chosen)], batch
 
