@@ -15,12 +15,21 @@ caps its own GPU (LOCAL_RANK).
 
 import ctypes
 import os
+import re
 import runpy
 import sys
 
 import torch
 
 GIB = 1 << 30
+HELD = re.compile(r"^\[capped\] GPU \d+: [\d.]+ GiB, held (\d+) MiB beyond the cap")
+"""The line ``said`` prints, as sizes_row.py reads it (nvidia-smi counts the held memory as used)."""
+
+
+def said(local: int, total: int, held: int, cap: int) -> str:
+    """What a capped process prints at its start: its GPU, the memory held beyond the cap, the cap."""
+    return (f"[capped] GPU {local}: {total / GIB:.1f} GiB, held {held >> 20} MiB beyond the cap: "
+            f"{min(total, cap) / GIB:.1f} GiB left to the run")
 
 
 def hold_beyond(cap: int, device: int) -> tuple[int, int]:
@@ -77,8 +86,7 @@ def main() -> None:
 
     torch.cuda.mem_get_info = torch.cuda.memory.mem_get_info = mem_get_info
     torch.accelerator.get_memory_info = get_memory_info
-    left = min(total, cap) / GIB
-    print(f"[capped] GPU {local}: {total / GIB:.1f} GiB, {held / GIB:.1f} held: {left:.1f} left to the run", flush=True)
+    print(said(local, total, held, cap), flush=True)
     if check:
         report_cap(cap)
         return

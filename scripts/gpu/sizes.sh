@@ -15,7 +15,8 @@
 # SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85).
 # SIZES_CONFIG (run_configs/qwen3_0.6b.toml). SIZES_GPUS ("0,1": the GPUs a row uses; layout a the first) and
 # SIZES_PORT (29561) let two of these share a machine of four GPUs. SIZES_CAP_GIB (e.g. 79.2) runs each process as on
-# a GPU of that size (scripts/gpu/capped.py: an 80 GB row on an H200). SIZES_TAG names the rows of the call (e.g.
+# a GPU of that size (scripts/gpu/capped.py: an 80 GB row on an H200; the memory it holds beyond the cap is left out
+# of the row's peaks). SIZES_TAG names the rows of the call (e.g.
 # auto, hand) in sizes.jsonl. Multi-GPU rows run under python -m torchtitan_rl.launch: one line when a rank fails.
 # After the stash call of docs/gpu.md, each call under 10 minutes:
 #   run(kind="nvidia-h100-x2", carry=[".gpu/b"], command="source .gpu/b/install.sh && SIZES_ROWS='4B:a:weights 4B:b:weights' bash scripts/gpu/sizes.sh")

@@ -15,7 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
-from summarize_run import metrics_file, peak_memory_mib, step_records  # scripts/gpu/, beside this file
+from capped import HELD  # scripts/gpu/, beside this file
+from summarize_run import metrics_file, peak_memory_mib, step_records
 
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s", "build_s", "recompute_s")
 
@@ -36,6 +37,14 @@ def log_lines(log: Path) -> tuple[str | None, str | None, str | None]:
     return estimate, fit, errors[-1] if errors else None
 
 
+def held_mib(log: Path) -> int:
+    """MiB scripts/gpu/capped.py held on each GPU beyond the cap (0 uncapped): left out of the row's peaks."""
+    if not log.exists():
+        return 0
+    found = [int(m.group(1)) for line in log.read_text(errors="replace").splitlines() if (m := HELD.match(line))]
+    return max(found, default=0)
+
+
 def matmul_params(flavor: str, vocab_size: int = 0) -> int:
     """Parameters in matmuls: all of them, less an untied embedding (a lookup)."""
     from torchtitan_rl.run.memory import count_parameters
@@ -53,13 +62,15 @@ def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: in
     records = step_records(metrics_file(output_dir))
     kept = [r for r in records if first <= r["step"] <= last] or records
     estimate, fit, error = log_lines(log)
+    held = held_mib(log)
     out = {
         "row": row, "tag": tag, "flavor": flavor, "layout": layout, "sleep": sleep, "args": args,
         "exit_code": exit_code,
         "fits": exit_code == 0 and bool(records), "refusal": error if exit_code else None, "estimate": estimate,
         "fit": fit,
         "steps_logged": len(records), "median_steps": [first, last],
-        "peak_gpu_mem_mib": peak_memory_mib(mem, gpus),
+        "peak_gpu_mem_mib": {g: max(0, mib - held) for g, mib in peak_memory_mib(mem, gpus).items()},
+        "held_mib": held,
         "median": {k: statistics.median(r[k] for r in kept) for k in KEYS if kept and k in kept[0]},
         "trainer_mfu": None,
     }

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_module
+from tests.helpers import REPO, load_script, run_module
 
 ROW = REPO / "scripts" / "gpu" / "sizes_row.py"
 SMI = "0, 1200\n1, 800\n0, 30500\n1, 900\n0, 2100\n"
@@ -30,12 +30,14 @@ def test_a_finished_run_gives_step_medians_memory_peaks_and_mfu(tmp_path):
     proc = run_module("torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml", "--trainer.steps", "2",
                       "--job.output_dir", str(out_dir), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    got = _row(tmp_path, out_dir, proc.stdout + proc.stderr, 0, "tiny:a:off")
+    # capped.py's memory held beyond the cap (an 80 GB row on a bigger card) is not the run's: left out of its peaks
+    held = load_script("scripts/gpu/capped.py").said(0, 140 << 30, 800 << 20, int(79.2 * (1 << 30)))
+    got = _row(tmp_path, out_dir, held + "\n" + proc.stdout + proc.stderr, 0, "tiny:a:off")
     metrics = [json.loads(line) for line in (out_dir / "latest" / "metrics.jsonl").read_text().splitlines()]
     assert got["fits"] and got["steps_logged"] == 2 and got["refusal"] is None
     assert got["median"]["step_s"] == pytest.approx((metrics[0]["step_s"] + metrics[1]["step_s"]) / 2)
     assert set(got["median"]) >= {"generate_s", "train_s", "sync_s"}
-    assert got["peak_gpu_mem_mib"] == {"0": 30500, "1": 900}
+    assert got["peak_gpu_mem_mib"] == {"0": 30500 - 800, "1": 900 - 800} and got["held_mib"] == 800
     assert got["estimate"].startswith("torchtitan_rl: memory per rank")
     assert 0 < got["trainer_mfu"] < 1e-3  # a CPU against an H100's peak
 
@@ -48,3 +50,4 @@ def test_a_refused_run_gives_its_one_line(tmp_path):
     got = _row(tmp_path, out_dir, proc.stdout + proc.stderr, 2, "8B:a:off")
     assert not got["fits"] and got["steps_logged"] == 0 and got["median"] == {}
     assert got["refusal"].startswith("torchtitan_rl: error: memory: this run needs at least 183.")
+    assert got["held_mib"] == 0 and got["peak_gpu_mem_mib"] == {"0": 30500, "1": 900}  # not capped
