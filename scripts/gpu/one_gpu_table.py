@@ -86,7 +86,8 @@ def _mission_cells(r: dict) -> list[str]:
 
 def mission_table(missions: dict) -> list[str]:
     return _table(["row", "machine", "exit", "step s", "generate s", "train s", "build s (recompute s)", "sync s",
-                   "start s", "exit after last line s (output closed) [main returned]"], MISSION_ROWS, missions, _mission_cells)
+                   "start s", "exit after last line s (output closed) [main returned]"], MISSION_ROWS, missions,
+                  _mission_cells)
 
 
 def _gpu(args: str) -> str:
