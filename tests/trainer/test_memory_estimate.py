@@ -83,7 +83,8 @@ def test_an_allocation_the_machine_refuses_becomes_one_line():
             "GiB is free. Including non-PyTorch memory, this process has 30.17 GiB memory in use. Of the allocated "
             "memory 27.52 GiB is allocated by PyTorch, and 1.13 GiB is reserved by PyTorch but unallocated. If "
             "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
-            "avoid fragmentation.  See documentation for Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html"
+            "avoid fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html"
             "#environment-variables)")
     with pytest.raises(ValueError) as e:
         with one_line_oom("step 0's train step"):
