@@ -37,7 +37,8 @@ every=(${ONE_GPU_ARGS:-})
 began=$(date +%s)  # a size row gets what is left of ONE_GPU_BUDGET_S (570: one device call), none under 90 s
 echo "machine: $machine, ${total_mib} MiB a GPU, cap ${cap} GiB"
 if [ "$cap" != 0 ]; then  # rows under a cap that does not hold would be neither card's numbers
-  python3 scripts/gpu/capped.py --gib "$cap" --check || { echo "CAP_CHECK_FAILED: ONE_GPU_CAP_GIB=0 runs uncapped"; exit 3; }
+  python3 scripts/gpu/capped.py --gib "$cap" --check ||
+    { echo "CAP_CHECK_FAILED: ONE_GPU_CAP_GIB=0 runs uncapped"; exit 3; }
 fi
 
 mission() {  # NAME STEPS GPUS "MISSION_STEP_OPTIONS" [simple_grpo overrides...]
