@@ -22,7 +22,8 @@ docs/design.md, "The long tail"; generator idle counts the engine's wait before 
 longer step it can pass 100%). KV read TB/s: what the attention read from the KV cache a second of engine loop,
 per engine (gen_kv_read_tb_per_s), against the GPU's memory bandwidth (H100 3.35, H200 4.8 TB/s): near it, the
 generate is bound by the bytes its samples' contexts take, which no order of decoding changes; "-" for rows
-logged before the metric existed. After need (partial rollouts): the share of the generate that ran after the
+logged before the metric existed; in brackets the rate during the tail's steps (gen_tail_kv_read_tb_per_s), where a
+few sequences run: far below the rest, the step's fixed costs or a kernel the small batch does not fill. After need (partial rollouts): the share of the generate that ran after the
 groups the step needs had finished, for groups due to finish (grpo.partial.max_token_age) or the token budget
 (gen_after_need_s); rows logged before the metric show the tail share alone.
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
@@ -93,6 +94,7 @@ def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
         "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
         "after_need": mean("gen_after_need_s") / mean("generate_s") if "gen_after_need_s" in kept[0] else None,
         "preemptions": mean("gen_preemptions"), "kv_read": mean("gen_kv_read_tb_per_s"),
+        "tail_kv_read": mean("gen_tail_kv_read_tb_per_s") if "gen_tail_kv_read_tb_per_s" in kept[0] else None,
         "trainer_idle": sum(r["wait_rollouts_s"] for r in kept) / wall,
         "generator_idle": sum(r["generator_idle_s"] for r in kept) / wall,
         "response_mean": mean("response_length_mean"), "response_max": max(r["response_length_max"] for r in kept),
@@ -123,7 +125,7 @@ def tail_numbers(results: Path) -> dict:
 def tail_table(numbers: dict) -> str:
     """One lease's rows; speed-ups against that lease's baseline only ("n/a" where it ran none)."""
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
-              "x sync", "tail share (after need)", "batch fill", "KV read TB/s", "preemptions", "trainer idle",
+              "x sync", "tail share (after need)", "batch fill", "KV read TB/s (tail)", "preemptions", "trainer idle",
               "generator idle", "mean / max length"]
     rows = []
     for size in SIZES:
@@ -140,7 +142,8 @@ def tail_table(numbers: dict) -> str:
                              f"{100 * n['tail_share']:.0f}%" + ("" if n["after_need"] is None else
                                                                 f" ({100 * n['after_need']:.0f}%)"),
                              f"{100 * n['batch_fill']:.0f}%",
-                             f"{n['kv_read']:.3g}" if n["kv_read"] else "-",
+                             (f"{n['kv_read']:.3g}" if n["kv_read"] else "-")
+                             + ("" if n["tail_kv_read"] is None else f" ({n['tail_kv_read']:.3g})"),
                              f"{n['preemptions']:.0f}", f"{100 * n['trainer_idle']:.0f}%",
                              f"{100 * n['generator_idle']:.0f}%",
                              f"{n['response_mean']:,.0f} / {n['response_max']:,.0f}"])

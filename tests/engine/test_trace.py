@@ -58,7 +58,8 @@ def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
                            lengths=HarnessLengthsConfig(distribution="lognormal", median=30, p90=31)).trace
     assert even.tail_iterations <= 3 and even.batch_fill > 0.7 > tail.batch_fill
     assert set(tail.metrics()) == {"gen_tail_share", "gen_tail_s", "gen_batch_fill", "gen_preemptions",
-                                   "gen_iterations", "gen_after_need_s", "gen_kv_read_gb", "gen_kv_read_tb_per_s"}
+                                   "gen_iterations", "gen_after_need_s", "gen_kv_read_gb", "gen_kv_read_tb_per_s",
+                                   "gen_tail_kv_read_tb_per_s"}
     assert tail.after_need_s == 0 == tail.after_need_iterations  # no partial request: no groups it needs
 
 
@@ -74,6 +75,14 @@ def test_the_kv_bytes_read_are_the_contexts_the_samples_decode_over(engine):
     read = r.trace.kv_read_bytes / engine.kv_token_bytes
     assert abs(read - tokens) <= slack < tokens / 4, (read, tokens, slack)
     assert r.trace.kv_read_rate == r.trace.kv_read_bytes / r.trace.wall_s
+    # The tail's part: the steps after all but the two longest samples finished (fewer than 3 of 12 unfinished)
+    # read the two longest's contexts from the third's length on.
+    by_length = sorted(samples, key=lambda s: len(s[1]), reverse=True)
+    third = len(by_length[2][1])
+    tail = sum(len(p) * (len(c) - third) + sum(range(third, len(c))) for p, c in by_length[:2])
+    tail_read = r.trace.tail_kv_read_bytes / engine.kv_token_bytes
+    assert 0 < tail and abs(tail_read - tail) <= sum(len(p) + len(c) for p, c in by_length[:2]), (tail_read, tail)
+    assert r.trace.tail_kv_read_rate == r.trace.tail_kv_read_bytes / r.trace.tail_s
 
 
 def test_preemptions_of_a_full_kv_cache_are_counted(engine):

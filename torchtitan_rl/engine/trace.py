@@ -44,6 +44,9 @@ class EngineTrace:
     this is the sum over samples of ~(prompt x length + length^2 / 2) tokens: the bytes that bound a long-context
     generate, whatever order its samples run in (docs/design.md, "The long tail"). Exact to one step a sample: the
     load is read between steps, and a sync's drain (a step that schedules nothing) still counts the contexts."""
+    tail_kv_read_bytes: int = 0
+    """Those bytes read in the tail's steps: over tail_s, the rate the attention reaches with a few sequences running
+    (a step's fixed costs, or a kernel that a small batch does not fill), against the whole loop's."""
 
     @property
     def tail_share(self) -> float:
@@ -62,12 +65,18 @@ class EngineTrace:
         sums their seconds too): to hold against the GPU's memory bandwidth."""
         return self.kv_read_bytes / self.wall_s if self.wall_s else 0.0
 
+    @property
+    def tail_kv_read_rate(self) -> float:
+        """Bytes a second read from the KV cache during the tail."""
+        return self.tail_kv_read_bytes / self.tail_s if self.tail_s else 0.0
+
     def metrics(self) -> dict[str, float]:
         """The step's metrics.jsonl keys (run/metrics.py)."""
         return {"gen_tail_share": self.tail_share, "gen_tail_s": self.tail_s, "gen_batch_fill": self.batch_fill,
                 "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations),
                 "gen_after_need_s": self.after_need_s,
-                "gen_kv_read_gb": self.kv_read_bytes / 1e9, "gen_kv_read_tb_per_s": self.kv_read_rate / 1e12}
+                "gen_kv_read_gb": self.kv_read_bytes / 1e9, "gen_kv_read_tb_per_s": self.kv_read_rate / 1e12,
+                "gen_tail_kv_read_tb_per_s": self.tail_kv_read_rate / 1e12}
 
     @staticmethod
     def merge(parts: list["EngineTrace"]) -> "EngineTrace":
@@ -107,6 +116,7 @@ class TraceRecorder:
         if self.unfinished < TAIL_FRACTION * t.sequences:
             t.tail_s += dt
             t.tail_iterations += 1
+            t.tail_kv_read_bytes += self.context * self.kv_token_bytes
         if self.needed:
             t.after_need_s += dt
             t.after_need_iterations += 1
