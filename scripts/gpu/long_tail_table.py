@@ -23,9 +23,10 @@ longer step it can pass 100%). KV read TB/s: what the attention read from the KV
 per engine (gen_kv_read_tb_per_s), against the GPU's memory bandwidth (H100 3.35, H200 4.8 TB/s): near it, the
 generate is bound by the bytes its samples' contexts take, which no order of decoding changes; "-" for rows
 logged before the metric existed; in brackets the rate during the tail's steps (gen_tail_kv_read_tb_per_s), where a
-few sequences run: far below the rest, the step's fixed costs or a kernel the small batch does not fill. After need (partial rollouts): the share of the generate that ran after the
-groups the step needs had finished, for groups due to finish (grpo.partial.max_token_age) or the token budget
-(gen_after_need_s); rows logged before the metric show the tail share alone.
+few sequences run: far below the rest, the step's fixed costs or a kernel the small batch does not fill. After need
+(partial rollouts): the share of the generate that ran after the groups the step needs had finished, for groups due
+to finish (grpo.partial.max_token_age) or the token budget (gen_after_need_s); rows logged before the metric show
+the tail share alone.
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
 d). Missing rows are listed as such, so a partial run still gives its part of the table.
 """

@@ -21,12 +21,16 @@ from summarize_run import metrics_file, peak_memory_mib, step_records
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s", "build_s", "recompute_s")
 
 
-def log_lines(log: Path) -> tuple[str | None, str | None, str | None]:
+def read_log(log: Path) -> list[str]:
+    """The run log's non-empty lines (a progress bar's \r ends one); none if there is no log."""
+    if not log.exists():
+        return []
+    return [line.strip() for line in log.read_text(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
+
+
+def log_lines(lines: list[str]) -> tuple[str | None, str | None, str | None]:
     """(the memory estimate line, job.fit auto's line, the line that ended the run: torchtitan_rl's one-line error or
     a traceback's last)."""
-    if not log.exists():
-        return None, None, None
-    lines = [line.strip() for line in log.read_text(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
     estimate = next((line for line in lines if line.startswith("torchtitan_rl: memory per")), None)
     fit = next((line for line in lines if line.startswith("torchtitan_rl: job.fit auto:")), None)
     # Ours first (one process: "torchtitan_rl: error: ..."; torchrun: "... error: rank R: ..." or "... rank R
@@ -37,12 +41,9 @@ def log_lines(log: Path) -> tuple[str | None, str | None, str | None]:
     return estimate, fit, errors[-1] if errors else None
 
 
-def held_mib(log: Path) -> int:
+def held_mib(lines: list[str]) -> int:
     """MiB scripts/gpu/capped.py held on each GPU beyond the cap (0 uncapped): left out of the row's peaks."""
-    if not log.exists():
-        return 0
-    found = [int(m.group(1)) for line in log.read_text(errors="replace").splitlines() if (m := HELD.match(line))]
-    return max(found, default=0)
+    return max((int(m.group(1)) for line in lines if (m := HELD.match(line))), default=0)
 
 
 def matmul_params(flavor: str, vocab_size: int = 0) -> int:
@@ -61,8 +62,9 @@ def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: in
     flavor, layout, sleep = row.split(":")
     records = step_records(metrics_file(output_dir))
     kept = [r for r in records if first <= r["step"] <= last] or records
-    estimate, fit, error = log_lines(log)
-    held = held_mib(log)
+    lines = read_log(log)
+    estimate, fit, error = log_lines(lines)
+    held = held_mib(lines)
     out = {
         "row": row, "tag": tag, "flavor": flavor, "layout": layout, "sleep": sleep, "args": args,
         "exit_code": exit_code,

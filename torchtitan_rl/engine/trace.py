@@ -112,11 +112,12 @@ class TraceRecorder:
         t.wall_s += dt
         t.slot_s += dt * self.slots
         t.running_s += dt * self.running
-        t.kv_read_bytes += self.context * self.kv_token_bytes
+        read = self.context * self.kv_token_bytes
+        t.kv_read_bytes += read
         if self.unfinished < TAIL_FRACTION * t.sequences:
             t.tail_s += dt
             t.tail_iterations += 1
-            t.tail_kv_read_bytes += self.context * self.kv_token_bytes
+            t.tail_kv_read_bytes += read
         if self.needed:
             t.after_need_s += dt
             t.after_need_iterations += 1
