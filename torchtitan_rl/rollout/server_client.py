@@ -24,6 +24,7 @@ long, not after that long per part. The HTTP(S) requests and the store they
 carry: rollout/server_http.py.
 """
 
+import math
 import re
 import threading
 import time
@@ -262,5 +263,7 @@ class _Bounded:
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions):
         if (left := self.client.left()) is not None:
-            opts.timeout = timedelta(seconds=max(left, 0.001))
+            # Whole milliseconds, rounded up: gloo's truncation let it time out up to 1 ms before the deadline, and
+            # the sync then said "failed" instead of "did not finish within weight_sync.peer_timeout_s".
+            opts.timeout = timedelta(milliseconds=math.ceil(max(left, 0.001) * 1000))
         return self.group.broadcast(tensors, opts)
