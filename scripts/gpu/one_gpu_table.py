@@ -100,8 +100,9 @@ def _gpu(args: str) -> str:
 def _size_cells(r: dict) -> list[str]:
     m = r.get("median", {})
     refusal = r.get("refusal") or f"exit {r['exit_code']}"
-    fits = "yes" if r["fits"] else f"no: {refusal[:160]}"
-    fit = (r.get("fit") or "").removeprefix("torchtitan_rl: job.fit auto: ").split(": the estimate")[0] or "nothing"
+    fits = "yes" if r["fits"] else f"no: {refusal.removeprefix('torchtitan_rl: error: ').split(' (memory per GPU')[0]}"
+    fit = (r.get("fit") or "").removeprefix("torchtitan_rl: job.fit auto: ").split(": the estimate")[0] or (
+        "job.fit off" if "--job.fit off" in r.get("args", "") else "nothing")
     peaks = " / ".join(f"{v / 1024:.1f}" for v in (r.get("peak_gpu_mem_mib") or {}).values() if v)
     mfu = f"{100 * r['trainer_mfu']:.1f}%" if r.get("trainer_mfu") else ""
     return [_gpu(r.get("args", "")), fits, fit, peaks, _s(m.get("step_s")), _s(m.get("generate_s")),
@@ -120,8 +121,9 @@ def section(missions: dict, sizes: dict) -> str:
         "scripts/gpu/results/one_gpu/: mission_<row>.json, sizes.jsonl)",
         "- machine: each row names its GPU (nvidia-smi's name x the GPUs of the machine); on a card over 80 GB every "
         "process runs capped at 79.2 GiB (scripts/gpu/capped.py: the card's memory beyond it held by one allocation, "
-        "the memory queries reporting 79.2 GiB); the H200 rows of 2026-11-28 ran under its first version, which "
-        "capped torch's allocator only (vLLM sized its KV cache from the whole card: see below)",
+        "the memory queries reporting 79.2 GiB; its peaks leave that allocation out); the mission rows on H200s "
+        "(2026-11-28) ran under its first version, which capped torch's allocator only (vLLM sized its KV cache from "
+        "the whole card: see below)",
         "",
         "run_configs/qwen3_0.6b.toml (Qwen3 shapes, random weights, 64 prompts x 8 x 256 tokens). Mission rows: medians "
         "of steps 1.. (14 steps; 6 and 8 for the second start and the host rows); start: from the command to step 0's "

@@ -23,7 +23,7 @@ def _mission(folder, name: str, step_s: float, machine: str = "NVIDIA H100 80GB 
 def _size(row: str, tag: str, *, fits: bool, gpu: str, fit_line: str | None = None, refusal: str | None = None) -> str:
     return json.dumps({
         "row": row, "tag": tag, "fits": fits, "exit_code": 0 if fits else 2, "refusal": refusal, "fit": fit_line,
-        "args": f"--generator.sleep off gpu={gpu} wall_s=300", "peak_gpu_mem_mib": {"0": 71680, "1": 0},
+        "args": f"--generator.sleep off{'' if fit_line else ' --job.fit off'} gpu={gpu} wall_s=300", "peak_gpu_mem_mib": {"0": 71680, "1": 0},
         "median": {"step_s": 15.1, "generate_s": 4.6, "train_s": 7.4, "sync_s": 0.25} if fits else {},
         "trainer_mfu": 0.421 if fits else None})
 
@@ -40,7 +40,8 @@ def test_rows_name_their_machine_and_the_rows_not_run_say_so(tmp_path):
               fit_line="torchtitan_rl: job.fit auto: generator.sleep weights, trainer.master_dtype bfloat16: the "
                        "estimate's peak 110.2 GiB per GPU is above 75.2 of 79.2 GiB; now 71.3"),
         _size("8B:b:off", "hand", fits=False, gpu="NVIDIA H100 80GB HBM3",
-              refusal="torchtitan_rl: error: memory: this run needs at least 92.7 GiB on cuda:0"),
+              refusal="torchtitan_rl: error: memory: this run needs at least 92.7 GiB on cuda:0 (memory per GPU "
+                      "(estimate): trainer 8.19B params ...)"),
     ]) + "\n")
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n<!-- Other (cpu) -->\n## Other (cpu)\nkept\n<!-- /Other (cpu) -->\n")
@@ -59,7 +60,7 @@ def test_rows_name_their_machine_and_the_rows_not_run_say_so(tmp_path):
     assert "NVIDIA H200, capped at 79.2GiB | yes | generator.sleep weights, trainer.master_dtype bfloat16 | 70.0 |" \
         in auto and "42.1%" in auto
     refused = next(line for line in lines if line.startswith("| Qwen3-8B, layout b, no sleep"))
-    assert "no: torchtitan_rl: error: memory: this run needs at least 92.7 GiB" in refused
+    assert "| no: memory: this run needs at least 92.7 GiB on cuda:0 | job.fit off |" in refused
     # Run again on its own output: the section is replaced, not added.
     subprocess.run([sys.executable, str(TABLE), "--results", str(new), "--write", str(doc)], check=True, timeout=60)
     assert doc.read_text().count("## One 80 GB GPU (cuda)") == 1
