@@ -18,7 +18,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from torchtitan_rl import collector  # noqa: E402
-from torchtitan_rl.run.exits import RankExits, end_when_done, one_line_errors  # noqa: E402
+from torchtitan_rl.run.exits import RankExits, end_when_done, one_line_errors, stamp_exit_time  # noqa: E402
 from torchtitan_rl.config import JobConfig, parse_args, to_toml, write_toml  # noqa: E402
 from torchtitan_rl.config.validation import effective_task, redacted_dict  # noqa: E402
 from torchtitan_rl.disk import refused, release, reserve, write_error  # noqa: E402
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise
     # After a successful run only (after a failure some ranks may still be inside a collective); left to
     # interpreter teardown, gloo's worker threads can abort a finished rank (docs/design.md).
+    stamp_exit_time("trained")
     _destroy_process_group()
 
 

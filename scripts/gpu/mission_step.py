@@ -7,8 +7,9 @@ mission_<name>.json (medians of steps ``--skip``.., every step's step_s / genera
 gen_tokens_per_s and the loop's other timers; ``start_s``: from the command to step 0's start, i.e. the
 engine's and trainer's builds; ``exit_lag_s``: from the run's last line to the process's end, what a shell
 waits; ``output_closed_lag_s``: to the end of its output, later when a child it left (a compile worker) still
-holds the pipe, what ``| tee`` waits; ``returned_lag_s``: to the run's main returning, after which only the
-process's own end is left, os._exit's teardown in the kernel and the GPU driver) and
+holds the pipe, what ``| tee`` waits; ``trained_lag_s``: to the run's return, before the process group's destroy;
+``returned_lag_s``: to the run's main returning, after which only the process's own end is left, os._exit's
+teardown in the kernel and the GPU driver) and
 mission_<name>_metrics.jsonl (the run's own file; links do not come back from $OUT). ``--launch N`` runs it
 under ``python -m torchtitan_rl.launch --nproc-per-node N``; ``--cap-gib G`` under scripts/gpu/capped.py.
 
@@ -90,6 +91,7 @@ def main() -> None:
     clock = time.time() - time.perf_counter()  # perf_counter's times as wall-clock ones (the run writes those)
     wall = ended - t
     metrics = output_dir / "latest" / "metrics.jsonl"
+    stamps = json.loads(times.read_text()) if times.is_file() else {}
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r] if metrics.is_file() else []
     kept = [r for r in records if r["step"] >= args.skip]
     keys = KEYS + tuple(k for k in OTHER if records and k in records[0])
@@ -101,8 +103,8 @@ def main() -> None:
         "start_s": first_done - t - records[0]["step_s"] if first_done is not None and records else None,
         "exit_lag_s": ended - lines[-1][0] if lines else None,
         "output_closed_lag_s": closed - lines[-1][0] if lines else None,
-        "returned_lag_s": json.loads(times.read_text())["main_returned"] - clock - lines[-1][0]
-        if lines and times.is_file() else None,
+        **{key: stamps[name] - clock - lines[-1][0] if lines and name in stamps else None
+           for key, name in (("trained_lag_s", "trained"), ("returned_lag_s", "main_returned"))},
         "last_line": lines[-1][1][-300:] if lines else None,
         "median": {k: statistics.median(r[k] for r in kept) for k in keys} if kept else {},
         "per_step": {k: [round(r[k], 4) for r in records] for k in keys},
@@ -111,8 +113,9 @@ def main() -> None:
     (out / f"mission_{args.name}.json").write_text(json.dumps(summary, indent=1))
     if metrics.is_file():
         shutil.copyfile(metrics, out / f"mission_{args.name}_metrics.jsonl")
-    print(json.dumps({k: summary[k] for k in ("name", "exit", "wall_s", "start_s", "exit_lag_s", "output_closed_lag_s",
-                                              "returned_lag_s", "steps", "median")}, indent=1), flush=True)
+    shown = ("name", "exit", "wall_s", "start_s", "exit_lag_s", "output_closed_lag_s", "trained_lag_s",
+             "returned_lag_s", "steps", "median")
+    print(json.dumps({k: summary[k] for k in shown}, indent=1), flush=True)
     if proc.returncode:
         raise SystemExit(proc.returncode)
 

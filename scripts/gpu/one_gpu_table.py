@@ -79,15 +79,16 @@ def _mission_cells(r: dict) -> list[str]:
     if r.get("output_closed_lag_s") is not None:  # rows of 2026-11-28 on: also when the last holder of its output went
         exit_lag += f" ({_s(r['output_closed_lag_s'])})"
     if r.get("returned_lag_s") is not None:  # later rows: also when main returned (the rest is os._exit's teardown)
-        exit_lag += f" [{_s(r['returned_lag_s'])}]"
+        trained = f"{_s(r['trained_lag_s'])} / " if r.get("trained_lag_s") is not None else ""
+        exit_lag += f" [{trained}{_s(r['returned_lag_s'])}]"
     return [_machine(r.get("env", [])), str(r["exit"]), _s(m.get("step_s")), _s(m.get("generate_s")),
             _s(m.get("train_s")), build, _s(m.get("sync_s")), _s(r.get("start_s")), exit_lag]
 
 
 def mission_table(missions: dict) -> list[str]:
     return _table(["row", "machine", "exit", "step s", "generate s", "train s", "build s (recompute s)", "sync s",
-                   "start s", "exit after last line s (output closed) [main returned]"], MISSION_ROWS, missions,
-                  _mission_cells)
+                   "start s", "exit after last line s (output closed) [run returned / main returned]"],
+                  MISSION_ROWS, missions, _mission_cells)
 
 
 def _gpu(args: str) -> str:

@@ -12,7 +12,8 @@
 # medians over steps 2..SIZES_STEPS-1), SIZES_ARGS (extra simple_grpo args for every row of the call, e.g.
 # "--trainer.master_dtype bfloat16 --trainer.micro_batch_tokens 32768"), SIZES_BUDGET_S (the call's time, 570: a row
 # gets what is left, and none under 90 s),
-# SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85).
+# SIZES_GPU_UTIL_C (generator.gpu_memory_utilization of layout c's own GPU, 0.85). SIZES_MEMORY_LOG=1 keeps each row's
+# lines about memory (vLLM's profile at VLLM_LOGGING_LEVEL=DEBUG) in $OUT/sizes_<row>_memory.log.
 # SIZES_CONFIG (run_configs/qwen3_0.6b.toml). SIZES_GPUS ("0,1": the GPUs a row uses; layout a the first) and
 # SIZES_PORT (29561) let two of these share a machine of four GPUs. SIZES_CAP_GIB (e.g. 79.2) runs each process as on
 # a GPU of that size (scripts/gpu/capped.py: an 80 GB row on an H200; the memory it holds beyond the cap is left out
@@ -64,6 +65,8 @@ for row in $ROWS; do
   echo "=== $row: exit $rc after $(( $(date +%s) - start )) s on $gpu"
   tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | grep -E "torchtitan_rl:|Error" | tail -n 6
   [ $rc = 0 ] || tr '\r' '\n' < "$work/$name.log" | grep -v "^\s*$" | tail -n 120 > "$OUT/sizes_$name.log"
+  [ -z "${SIZES_MEMORY_LOG:-}" ] ||
+    grep -iE "memory|kv cache" "$work/$name.log" | head -n 80 > "$OUT/sizes_${name}_memory.log"
   python3 scripts/gpu/sizes_row.py --output-dir "$work/$name" --log "$work/$name.log" --mem "$work/$name.mem" \
     --row "$row" --exit-code "$rc" --first 2 --last $(( STEPS - 1 )) --trainer-gpus "$trainer_gpus" --gpus "$used" \
     --tag "${SIZES_TAG:-}" --args "${args[*]} ${extra[*]} gpu=$gpu${SIZES_CAP_GIB:+ capped=${SIZES_CAP_GIB}GiB} \

@@ -27,8 +27,9 @@ ORPHAN_CHECK_S = 1.0
 
 
 EXIT_TIMES = "TORCHTITAN_RL_EXIT_TIMES"
-"""Environment variable a timing harness sets (scripts/gpu/mission_step.py): a file where rank 0 writes the wall-clock
-time its ``main`` returned, just before ``os._exit``: what comes after is the kernel's and the driver's teardown."""
+"""Environment variable a timing harness sets (scripts/gpu/mission_step.py): a JSON file where rank 0 writes the
+wall-clock times of its ending (``stamp_exit_time``): ``trained`` (the run returned, before the process group's
+destroy) and ``main_returned`` (just before ``os._exit``: after it, the kernel's and the driver's teardown)."""
 PEER_DEATH_WAIT_S = 2.0
 """How long a failed rank looks for a dead peer to blame before it reports its own error."""
 
@@ -108,9 +109,15 @@ def end_when_done(main: Callable[[], None]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     sys.stdout.flush()
     sys.stderr.flush()
-    if (path := os.environ.get(EXIT_TIMES)) and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(json.dumps({"main_returned": time.time()}))
+    stamp_exit_time("main_returned")
     os._exit(code)
+
+
+def stamp_exit_time(name: str) -> None:
+    """Under a timing harness (EXIT_TIMES), rank 0 adds the wall-clock time of ``name`` to its file."""
+    if (path := os.environ.get(EXIT_TIMES)) and os.environ.get("RANK", "0") == "0":
+        times = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+        Path(path).write_text(json.dumps({**times, name: time.time()}))
 
 
 class _Terminated(KeyboardInterrupt):
