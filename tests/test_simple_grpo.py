@@ -90,7 +90,8 @@ def test_pi_old_from_the_training_forward_trains_as_the_recompute_does(tmp_path)
     for got, want in zip(runs["train"], runs["recompute"], strict=True):
         assert got.keys() == want.keys()  # the measured metrics keep their names
         assert got["ratio_mean"] == 1.0 and got["clip_fraction"] == 0.0  # pi / pi_old of one forward
-        assert 0 < got["mismatch_mean"] < BF16_MISMATCH_MEAN and got["is_weight_mean"] == pytest.approx(1, abs=0.01)
+        # 0 where the generator's and the trainer's bf16 kernels agree bit for bit (seen on an AMX CPU)
+        assert 0 <= got["mismatch_mean"] < BF16_MISMATCH_MEAN and got["is_weight_mean"] == pytest.approx(1, abs=0.01)
         assert got["recompute_s"] < 0.01  # nothing ran (the reference's KL is off)
     # Step 0 samples from the same weights: the same rollouts. Its step differs from the recompute's only by
     # the bf16 gap between two forwards of other batch shapes (tests/trainer: equal on fp32).
@@ -228,9 +229,11 @@ def test_harness_run_with_drawn_lengths_logs_their_tail(tmp_path):
     validate(cfg)
     history = train(cfg)
     for r in history:
-        # 64 samples of median 6: the few long ones decode alone through most of the generate's steps
+        # 64 samples of median 6: the few long ones decode alone through most of the generate's steps (counted in
+        # steps: the tail's share of the time depends on how a CPU's step cost grows with the batch)
         assert r["response_length_max"] >= 24 and 4 <= r["response_length_mean"] <= 16
-        assert r["gen_iterations"] >= r["response_length_max"] and r["gen_tail_share"] > 0.3
+        assert r["gen_iterations"] >= r["response_length_max"] and r["gen_tail_iterations"] > r["gen_iterations"] / 2
+        assert 0 < r["gen_tail_share"] < 1
         assert r["gen_batch_fill"] < 0.5 and r["gen_preemptions"] == 0
 
 

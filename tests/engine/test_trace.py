@@ -58,8 +58,9 @@ def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
                            lengths=HarnessLengthsConfig(distribution="lognormal", median=30, p90=31)).trace
     assert even.tail_iterations <= 3 and even.batch_fill > 0.7 > tail.batch_fill
     assert set(tail.metrics()) == {"gen_tail_share", "gen_tail_s", "gen_batch_fill", "gen_preemptions",
-                                   "gen_iterations", "gen_after_need_s", "gen_kv_read_gb", "gen_kv_read_tb_per_s",
-                                   "gen_tail_kv_read_tb_per_s"}
+                                   "gen_iterations", "gen_tail_iterations", "gen_after_need_s", "gen_kv_read_gb",
+                                   "gen_kv_read_tb_per_s", "gen_tail_kv_read_tb_per_s"}
+    assert tail.metrics()["gen_tail_iterations"] == tail.tail_iterations
     assert tail.after_need_s == 0 == tail.after_need_iterations  # no partial request: no groups it needs
 
 

@@ -74,6 +74,7 @@ class EngineTrace:
         """The step's metrics.jsonl keys (run/metrics.py)."""
         return {"gen_tail_share": self.tail_share, "gen_tail_s": self.tail_s, "gen_batch_fill": self.batch_fill,
                 "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations),
+                "gen_tail_iterations": float(self.tail_iterations),
                 "gen_after_need_s": self.after_need_s,
                 "gen_kv_read_gb": self.kv_read_bytes / 1e9, "gen_kv_read_tb_per_s": self.kv_read_rate / 1e12,
                 "gen_tail_kv_read_tb_per_s": self.tail_kv_read_rate / 1e12}
