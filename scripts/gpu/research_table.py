@@ -28,6 +28,8 @@ PRESETS = ("default", "grpo", "drgrpo", "dapo", "gspo")
 LABELS = {"default": "default (token mean, 1 step a batch)", "grpo": "GRPO (seq-mean, k3 KL 0.04)",
           "drgrpo": "Dr. GRPO (no std, sum / (B x 256))", "dapo": "DAPO (clip 0.28, acc. filter, overlong)",
           "gspo": "GSPO (seq ratio, clip 3e-4 / 4e-4)"}
+PLAN = ("default_s0", "grpo_s0", "drgrpo_s0", "dapo_s0", "gspo_s0", "default_s1", "grpo_s1", "dapo_s1")
+"""The comparison research_compare.sh runs by default (its COMPARE): the table names those not run yet."""
 RUN = re.compile(r"^(?P<preset>[a-z]+)_s(?P<seed>\d+)$")
 TOOL_RUNS = ("calculator", "calcnobonus")
 """research_compare.sh's tool-task runs: the calculator with the math config's format bonus, and without."""
@@ -181,8 +183,13 @@ def comparison_tables(runs: dict[str, Path]) -> str:
             window(steps, "approx_kl", last - 4, last, "{:.4f}"),
             f"{statistics.median(r['step_s'] for r in steps.values()):.2f}",
             export_check(runs[n], d[0], d[1])]) + " |")
-    out += ["", seeds_table(data), "", f"Best preset (final held-out accuracy, mean over seeds): {best(runs)}",
-            "", CHANGES]
+    missing = [n for n in PLAN if not data.get(n)]
+    best_of = "the runs so far" if missing else "mean over seeds"
+    out += ["", seeds_table(data), "", f"Best preset (final held-out accuracy, {best_of}): {best(runs)}"]
+    if missing:
+        out.append("Not run yet: " + ", ".join(f"{LABELS[RUN.match(n)['preset']].split(' (')[0]} seed "
+                                               f"{RUN.match(n)['seed']}" for n in missing) + ".")
+    out += ["", CHANGES]
     return "\n".join(out)
 
 

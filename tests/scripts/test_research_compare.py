@@ -74,7 +74,8 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
     assert words["default (token mean, 1 step a batch)/0"][3:6] == ["0.000 ± 0.000"] * 3
     training = _rows(table, "Training over the run")["default (token mean, 1 step a batch)/0"]
     assert training[-1] == "equal"  # the export, scored by python -m torchtitan_rl.evaluate
-    assert "Best preset (final held-out accuracy, mean over seeds): default" in table
+    assert "Best preset (final held-out accuracy, the runs so far): default" in table
+    assert "Not run yet: GRPO seed 0, Dr. GRPO seed 0, DAPO seed 0, GSPO seed 0, default seed 1, GRPO seed 1," in table
     long = _rows(table, "long_default (2 steps trained):")
     assert list(long) == ["before step 0/0.000 ± 0.000", "0-1/0.000 ± 0.000"]
     assert long["0-1/0.000 ± 0.000"][4] == "0.000"  # right answers (correct_frac) beside the reward
