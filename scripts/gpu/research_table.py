@@ -187,8 +187,8 @@ def comparison_tables(runs: dict[str, Path]) -> str:
     best_of = "the runs so far" if missing else "mean over seeds"
     out += ["", seeds_table(data), "", f"Best preset (final held-out accuracy, {best_of}): {best(runs)}"]
     if missing:
-        out.append("Not run yet: " + ", ".join(f"{LABELS[RUN.match(n)['preset']].split(' (')[0]} seed "
-                                               f"{RUN.match(n)['seed']}" for n in missing) + ".")
+        out.append("Not run yet: " + ", ".join(f"{LABELS[m['preset']].split(' (')[0]} seed {m['seed']}"
+                                               for m in map(RUN.match, missing)) + ".")
     out += ["", CHANGES]
     return "\n".join(out)
 

@@ -23,7 +23,8 @@ def _mission(folder, name: str, step_s: float, machine: str = "NVIDIA H100 80GB 
 def _size(row: str, tag: str, *, fits: bool, gpu: str, fit_line: str | None = None, refusal: str | None = None) -> str:
     return json.dumps({
         "row": row, "tag": tag, "fits": fits, "exit_code": 0 if fits else 2, "refusal": refusal, "fit": fit_line,
-        "args": f"--generator.sleep off{'' if fit_line else ' --job.fit off'} gpu={gpu} wall_s=300", "peak_gpu_mem_mib": {"0": 71680, "1": 0},
+        "args": f"--generator.sleep off{'' if fit_line else ' --job.fit off'} gpu={gpu} wall_s=300",
+        "peak_gpu_mem_mib": {"0": 71680, "1": 0},
         "median": {"step_s": 15.1, "generate_s": 4.6, "train_s": 7.4, "sync_s": 0.25} if fits else {},
         "trainer_mfu": 0.421 if fits else None})
 
