@@ -166,7 +166,8 @@ def train(cfg: JobConfig) -> list[dict]:
                                       kept="nothing trained") from None
                 print(f"torchtitan_rl: run folder {out}")
             with one_line_oom("the generator's start"):
-                generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out)
+                generator = _generator(cfg, trainer=trainer, world=world, shape=shape, device=device, workdir=out,
+                                       kv_cache_bytes=fitted.estimate.kv_bytes)
             queue = RolloutQueue(cfg, generator=generator, task=task)
             start = 0
             if plan.checkpoint is not None:
@@ -281,8 +282,9 @@ def _memory_check(est, *, device, show: bool) -> None:
                device=str(device))
 
 
-def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
-    """The generator as the loop sees it, in every layout (rollout/base.py): sync, submit, close."""
+def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path, kv_cache_bytes: int):
+    """The generator as the loop sees it, in every layout (rollout/base.py): sync, submit, close. A colocated engine
+    gets ``kv_cache_bytes`` (the memory estimate's) for its KV cache."""
     from torchtitan_rl.rollout.colocated import ColocatedGenerator
     from torchtitan_rl.rollout.remote import RemoteGenerator
     from torchtitan_rl.rollout.server_client import ServerGenerator
@@ -290,7 +292,8 @@ def _generator(cfg: JobConfig, *, trainer, world, shape, device, workdir: Path):
     if cfg.weight_sync.transport == "server":
         return ServerGenerator(cfg, reference=trainer.sync_state(), device=device)
     if world is None:
-        return ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=workdir)
+        return ColocatedGenerator(cfg, reference=trainer.sync_state(), shape=shape, device=device, workdir=workdir,
+                                  kv_cache_bytes=kv_cache_bytes)
     return RemoteGenerator(cfg, reference=trainer.sync_state(), world=world)
 
 

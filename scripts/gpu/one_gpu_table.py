@@ -106,12 +106,15 @@ def _size_cells(r: dict) -> list[str]:
         "job.fit off" if "--job.fit off" in r.get("args", "") else "nothing")
     peaks = " / ".join(f"{v / 1024:.1f}" for v in (r.get("peak_gpu_mem_mib") or {}).values() if v)
     mfu = f"{100 * r['trainer_mfu']:.1f}%" if r.get("trainer_mfu") else ""
-    return [_gpu(r.get("args", "")), fits, fit, peaks, _s(m.get("step_s")), _s(m.get("generate_s")),
+    kv = r.get("kv_tokens") or {}
+    kv_cell = " / ".join(f"{kv[k]:,}" if kv.get(k) else "?" for k in ("engine", "estimate")) if kv else ""
+    return [_gpu(r.get("args", "")), fits, fit, peaks, kv_cell, _s(m.get("step_s")), _s(m.get("generate_s")),
             _s(m.get("train_s")), _s(m.get("sync_s")), mfu]
 
 
 def size_table(sizes: dict) -> list[str]:
-    return _table(["row", "machine", "fits (or the refusal)", "what job.fit chose", "peak GiB per GPU", "step s",
+    return _table(["row", "machine", "fits (or the refusal)", "what job.fit chose", "peak GiB per GPU",
+                   "KV tokens (engine / estimate)", "step s",
                    "generate s", "train s", "sync s", "MFU"], SIZE_ROWS, sizes, _size_cells)
 
 

@@ -12,12 +12,17 @@ rollouts, attention's own FLOPs and activation checkpointing's recompute are not
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
 from capped import HELD  # scripts/gpu/, beside this file
 from summarize_run import metrics_file, peak_memory_mib, step_records
 
+ESTIMATED_KV = re.compile(r"KV cache [\d.]+: (?:at most )?(\d+) tokens")
+"""The memory estimate's KV-cache tokens (run/memory.py's summary; "at most" before 2026-11-28's fifth session)."""
+ENGINE_KV = re.compile(r"^torchtitan_rl: generator KV cache (\d+) tokens")
+"""The engine's own count, printed once it is built (Engine.capacity_line)."""
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "gen_tokens_per_s", "build_s", "recompute_s")
 
 
@@ -39,6 +44,14 @@ def log_lines(lines: list[str]) -> tuple[str | None, str | None, str | None]:
     others = [line for line in lines if "Error:" in line.split(" ")[0] and "ChildFailedError" not in line]
     errors = ours or others
     return estimate, fit, errors[-1] if errors else None
+
+
+def kv_tokens(lines: list[str]) -> dict:
+    """The KV cache's tokens: the estimate's and the engine's (None where the log lacks the line)."""
+    estimate = next((int(m.group(1)) for line in lines if line.startswith("torchtitan_rl: memory per")
+                     and (m := ESTIMATED_KV.search(line))), None)
+    engine = next((int(m.group(1)) for line in lines if (m := ENGINE_KV.match(line))), None)
+    return {"estimate": estimate, "engine": engine}
 
 
 def held_mib(lines: list[str]) -> int:
@@ -73,6 +86,7 @@ def summarize(*, output_dir: Path, log: Path, mem: Path, row: str, exit_code: in
         "steps_logged": len(records), "median_steps": [first, last],
         "peak_gpu_mem_mib": {g: max(0, mib - held) for g, mib in peak_memory_mib(mem, gpus).items()},
         "held_mib": held,
+        "kv_tokens": kv_tokens(lines),
         "median": {k: statistics.median(r[k] for r in kept) for k in KEYS if kept and k in kept[0]},
         "trainer_mfu": None,
     }

@@ -11,6 +11,8 @@ from tests.helpers import REPO, load_script, run_module
 ROW = REPO / "scripts" / "gpu" / "sizes_row.py"
 SMI = "0, 1200\n1, 800\n0, 30500\n1, 900\n0, 2100\n"
 """nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits samples."""
+BLOCK = 128
+"""Tokens of one of vLLM's CPU KV-cache blocks."""
 
 
 def _row(tmp_path, out_dir, log_text: str, rc: int, row: str) -> dict:
@@ -39,6 +41,9 @@ def test_a_finished_run_gives_step_medians_memory_peaks_and_mfu(tmp_path):
     assert set(got["median"]) >= {"generate_s", "train_s", "sync_s"}
     assert got["peak_gpu_mem_mib"] == {"0": 30500 - 800, "1": 900 - 800} and got["held_mib"] == 800
     assert got["estimate"].startswith("torchtitan_rl: memory per rank")
+    # The engine holds the KV cache the estimate counts, less vLLM's rounding down to whole blocks.
+    kv = got["kv_tokens"]
+    assert kv["estimate"] - BLOCK < kv["engine"] <= kv["estimate"], kv
     assert 0 < got["trainer_mfu"] < 1e-3  # a CPU against an H100's peak
 
 

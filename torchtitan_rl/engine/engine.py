@@ -153,9 +153,12 @@ class Engine:
         workdir: Path,
         batch_invariant: bool = False,
         tokenizer_dir: str | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         """``tokenizer_dir``: an HF tokenizer folder for vLLM to detokenize with (text, stop strings); the
-        rollout server passes one, training needs none (token ids in, token ids out)."""
+        rollout server passes one, training needs none (token ids in, token ids out). ``kv_cache_bytes``: the KV
+        cache's size (a colocated engine's, from the run's memory estimate); else generator.kv_cache_memory_gb on
+        CPU, and on CUDA what vLLM's profile leaves of generator.gpu_memory_utilization."""
         self.config = config
         self.shape = shape
         self.seed = seed
@@ -207,7 +210,8 @@ class Engine:
             seed=seed,
             device=device,
             gpu_memory_utilization=config.gpu_memory_utilization,
-            kv_cache_memory_bytes=int(config.kv_cache_memory_gb * (1 << 30)),
+            kv_cache_memory_bytes=kv_cache_bytes if kv_cache_bytes is not None else (
+                int(config.kv_cache_memory_gb * (1 << 30)) if device == "cpu" else None),
             kv_cache_dtype=config.kv_cache_dtype,
             attention_backend=config.attention_backend,
             batch_invariant=batch_invariant,

@@ -19,14 +19,15 @@ def build_llm_engine(
     *,
     device: str,
     gpu_memory_utilization: float,
-    kv_cache_memory_bytes: int,
+    kv_cache_memory_bytes: int | None,
     batch_invariant: bool,
     attention_backend: str = "auto",
     tokenizer: str | None = None,
     **engine_kwargs,
 ):
     """An in-process ``LLMEngine`` whose model object this process can touch; without ``tokenizer`` (a folder)
-    it takes and returns token ids only. Our model class must be registered first (engine.engine.build_engine)."""
+    it takes and returns token ids only. Our model class must be registered first (engine.engine.build_engine).
+    ``kv_cache_memory_bytes`` sizes the KV cache (required on CPU); None on CUDA: vLLM's profile sizes it."""
     # The engine core must run in this process for the sync to write its tensors.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM's INFO lines (per-interval throughput, cache resets) drown the progress bar.
@@ -51,6 +52,7 @@ def build_llm_engine(
                              "vLLM's CPU backend has its own: set it to 'auto'")
         compat.vllm_sampler_rank_kernel_eager()  # seconds of compiling per process start, saved (compat.py)
         # vLLM's CPU backend sizes its KV cache from an explicit byte budget.
+        assert kv_cache_memory_bytes is not None
         if "kv_cache_memory_bytes" in fields:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         else:
@@ -63,6 +65,10 @@ def build_llm_engine(
         kwargs["max_num_batched_tokens"] = max(2048, engine_kwargs["max_model_len"])
     else:
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_memory_bytes is not None:
+            # vLLM's profile, in a process whose trainer allocates and frees around it, can count the trainer's
+            # memory as its own (docs/design.md, "Memory: the estimate and job.fit auto").
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
         if batch_invariant:
             # kernels/paged_attention.py reads the KV cache in FLASH_ATTN's layout
             # (vllm_paged_kv_cache); vLLM's pick on Hopper, made explicit.

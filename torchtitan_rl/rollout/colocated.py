@@ -35,7 +35,9 @@ class ColocatedGenerator:
     """The generator in the trainer ranks' processes; every trainer rank calls each method together."""
 
     def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], shape: ModelShape,
-                 device: torch.device, workdir: Path) -> None:
+                 device: torch.device, workdir: Path, kv_cache_bytes: int | None = None) -> None:
+        """``kv_cache_bytes``: each engine's KV cache (the run's memory estimate, run/memory.py); None: Engine's
+        default."""
         self.generator = None
         rank = dist.get_rank()
         self.sleep_level = SLEEP_LEVELS[cfg.generator.sleep]
@@ -54,7 +56,7 @@ class ColocatedGenerator:
                     cfg.generator, model_config=cfg.model, shape=shape, seed=cfg.job.seed, device=device.type,
                     # each engine writes its config.json into a folder of its own
                     workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
-                    batch_invariant=cfg.batch_invariant_mode,
+                    batch_invariant=cfg.batch_invariant_mode, kv_cache_bytes=kv_cache_bytes,
                 )
             if rank == 0:
                 print(self.generator.capacity_line(), flush=True)

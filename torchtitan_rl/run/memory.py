@@ -45,6 +45,12 @@ fuses them into a few passes over the bf16 logits (8: not measured, checked by t
 GRAPH_BYTES = 4 << 20
 """What one captured CUDA graph of the engine keeps besides the shared pool (vLLM 0.26; calibrated by
 scripts/gpu/one_gpu.sh's rows)."""
+PROFILE_TOKENS = 2048
+"""Tokens of the forward vLLM profiles an engine with: its max_num_batched_tokens, 2048 for an ``LLMEngine`` built
+from EngineArgs with chunked prefill (vLLM 0.26's default outside the LLM class and the server)."""
+SAMPLER_BYTES = 12
+"""Bytes per logit of vLLM's profiled sampler step over one logit row per sequence (logits, their float32 copy,
+the top-k/top-p sort): the profile's torch peak of Qwen3-4B at 512 sequences was 0.74 GiB, 10.2 a logit."""
 
 
 def count_parameters(shape: ModelShape, lora=None) -> tuple[int, int, int]:
@@ -125,6 +131,14 @@ def activation_bytes(cfg: JobConfig, shape: ModelShape, *, rows: int, recompute:
     return head + max(early, late)
 
 
+def engine_activation_bytes(cfg: JobConfig, shape: ModelShape) -> int:
+    """What the engine's profile run peaks at beyond its weights (CUDA): a forward of PROFILE_TOKENS tokens or the
+    sampler over one row of logits a sequence, whichever is larger; inside its gpu_memory_utilization share."""
+    rows = min(cfg.generator.max_num_seqs, PROFILE_TOKENS)
+    return max(PROFILE_TOKENS * block_forward_bytes(shape, _BYTES[cfg.model.dtype]),
+               rows * shape.vocab_size * SAMPLER_BYTES)
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM 0.26's default CUDA-graph batch sizes: 1, 2, 4, then steps of 8 to 256 and of 16 beyond, up to
     min(2 x max_num_seqs, 512)."""
@@ -183,6 +197,8 @@ class MemoryEstimate:
     the device, all of it vLLM's to hold, its CUDA graphs included)."""
     engine_graphs: int
     """The engine's CUDA graphs (``graph_bytes``): what it keeps on the device asleep."""
+    engine_activations: int
+    """The engine's profile run's peak (``engine_activation_bytes``; 0 on CPU, whose engine is given its KV bytes)."""
     engine_while_training: int
     """What the engine keeps on the device while the trainer steps (its CUDA graphs asleep)."""
     grads_freed: bool
@@ -198,13 +214,13 @@ class MemoryEstimate:
 
     @property
     def kv_bytes(self) -> int:
-        """The engine's budget beyond its weights and CUDA graphs."""
-        return max(0, self.engine_budget - self.engine_weights - self.engine_graphs)
+        """The engine's budget beyond its weights, CUDA graphs and profiled activations: the KV cache a colocated
+        engine is given (rollout/colocated.py), so that the engine holds what this estimate counts."""
+        return max(0, self.engine_budget - self.engine_weights - self.engine_graphs - self.engine_activations)
 
     @property
     def kv_tokens(self) -> int:
-        """Tokens the KV-cache budget could hold (an upper bound: vLLM also keeps its forward's activations in its
-        budget; the engine's own count is printed once it is built)."""
+        """Tokens the KV cache holds (vLLM rounds down to whole blocks; the engine's count is printed once built)."""
         return self.kv_bytes // self.kv_token_bytes
 
     @property
@@ -265,7 +281,8 @@ class MemoryEstimate:
                 f"{g(self.trainer_recompute)}, {self.recompute_tokens} tokens), build {g(self.trainer_build)};")
         if self.role != "trainer":
             parts.append(f"engine {g(self.engine_budget)} GiB (weights {g(self.engine_weights)} + CUDA graphs "
-                         f"{g(self.engine_graphs)} + KV cache {g(self.kv_bytes)}: at most {self.kv_tokens} tokens, "
+                         f"{g(self.engine_graphs)} + activations {g(self.engine_activations)} + KV cache "
+                         f"{g(self.kv_bytes)}: {self.kv_tokens} tokens, "
                          f"{self.kv_tokens // self.max_model_len} sequences of max_model_len {self.max_model_len} "
                          f"beside max_num_seqs {self.max_num_seqs}), {g(self.engine_while_training)} while "
                          "the trainer steps;")
@@ -322,6 +339,7 @@ def estimate(cfg: JobConfig, shape: ModelShape, *, world_size: int, device_total
         trainer_recompute=activation_bytes(cfg, shape, rows=rows, recompute=True),
         recompute_tokens=micro_batch_tokens(cfg, rows=rows, recompute=True),
         engine_weights=engine_weights, engine_budget=max(engine_budget, engine_weights), engine_graphs=graphs,
+        engine_activations=engine_activation_bytes(cfg, shape) if on_cuda else 0,
         engine_while_training=graphs if asleep else max(engine_budget, engine_weights), grads_freed=asleep,
         device_total=device_total, role=role, max_model_len=cfg.generator.max_model_len,
         kv_token_bytes=shape.num_hidden_layers * 2 * shape.num_key_value_heads * shape.head_dim
