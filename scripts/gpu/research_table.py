@@ -11,7 +11,8 @@ standalone evaluator's report on the run's export beside it as eval_NAME.json (r
 unpacked from research.tgz, the same files in the run's folder (the report as evaluate.json). A run in a later
 --runs folder replaces one of the same name in an earlier one (the leases' tarballs, unpacked side by side).
 A run with no metrics yet is a row saying so; a line a kill cut short is skipped; where a step has two lines
-(a resume), the later one counts.
+(a resume), the later one counts. A run short of its config's trainer.steps has no final evaluation (named under
+"Not finished"), whatever it evaluated last.
 
 The best preset: the highest final held-out accuracy (the mean over its seeds where it has two), ties broken
 by the named set.
@@ -22,6 +23,7 @@ import datetime
 import json
 import re
 import statistics
+import tomllib
 from pathlib import Path
 
 PRESETS = ("default", "grpo", "drgrpo", "dapo", "gspo")
@@ -117,9 +119,17 @@ def window(steps: dict[int, dict], metric: str, first: int, last: int, fmt: str 
     return fmt.format(statistics.mean(values)) if values else "-"
 
 
-def final_eval(steps: dict[int, dict], evals: dict[int, dict]) -> dict | None:
-    """The evaluation after the last step (the run's final one), if the run got there."""
-    return evals.get(max(steps) + 1) if steps else None
+def planned_steps(folder: Path) -> int | None:
+    """trainer.steps of the run's config.toml (None without one)."""
+    path = run_file(folder, "config.toml")
+    return tomllib.loads(path.read_text()).get("trainer", {}).get("steps") if path.is_file() else None
+
+
+def final_eval(folder: Path, steps: dict[int, dict], evals: dict[int, dict]) -> dict | None:
+    """The evaluation after the run's last planned step (its final one), if the run got there."""
+    if not steps or max(steps) + 1 < (planned_steps(folder) or 0):
+        return None
+    return evals.get(max(steps) + 1)
 
 
 def export_check(folder: Path, steps: dict[int, dict], evals: dict[int, dict]) -> str:
@@ -128,7 +138,7 @@ def export_check(folder: Path, steps: dict[int, dict], evals: dict[int, dict]) -
     report_path = folder / "evaluate.json"
     if not report_path.is_file():
         report_path = folder.parent / f"eval_{folder.name}.json"
-    final = final_eval(steps, evals)
+    final = final_eval(folder, steps, evals)
     if not report_path.is_file() or final is None:
         return "-"
     report = json.loads(report_path.read_text())
@@ -184,20 +194,24 @@ def comparison_tables(runs: dict[str, Path]) -> str:
             f"{statistics.median(r['step_s'] for r in steps.values()):.2f}",
             export_check(runs[n], d[0], d[1])]) + " |")
     missing = [n for n in PLAN if not data.get(n)]
-    best_of = "the runs so far" if missing else "mean over seeds"
-    out += ["", seeds_table(data), "", f"Best preset (final held-out accuracy, {best_of}): {best(runs)}"]
+    cut = [n for n in names if data[n] and final_eval(runs[n], *data[n]) is None]
+    best_of = "the runs so far" if missing or cut else "mean over seeds"
+    out += ["", seeds_table(runs, data), "", f"Best preset (final held-out accuracy, {best_of}): {best(runs)}"]
+    short = lambda n: f"{LABELS[RUN.match(n)['preset']].split(' (')[0]} seed {RUN.match(n)['seed']}"  # noqa: E731
+    if cut:
+        out.append("Not finished (no final evaluation): " + ", ".join(
+            f"{short(n)} ({len(data[n][0])} of {planned_steps(runs[n]) or '?'} steps)" for n in cut) + ".")
     if missing:
-        out.append("Not run yet: " + ", ".join(f"{LABELS[m['preset']].split(' (')[0]} seed {m['seed']}"
-                                               for m in map(RUN.match, missing)) + ".")
+        out.append("Not run yet: " + ", ".join(map(short, missing)) + ".")
     out += ["", CHANGES]
     return "\n".join(out)
 
 
-def seeds_table(data: dict) -> str:
+def seeds_table(runs: dict[str, Path], data: dict) -> str:
     """Presets run with two seeds: each seed's final held-out accuracy and their difference against its SE."""
     by_preset: dict[str, list[dict]] = {}
     for n, d in data.items():
-        final = final_eval(*d) if d else None
+        final = final_eval(runs[n], *d) if d else None
         if final is not None and "eval_accuracy" in final:
             by_preset.setdefault(RUN.match(n)["preset"], []).append(final)
     lines = ["| preset | final held-out per seed | difference | its standard error |", "|---|---|---|---|"]
@@ -215,7 +229,7 @@ def best(runs: dict[str, Path]) -> str:
     scores: dict[str, list[tuple[float, float]]] = {}
     for n in comparison_runs(runs):
         d = read_run(runs[n])
-        final = final_eval(*d) if d else None
+        final = final_eval(runs[n], *d) if d else None
         if final is None or "eval_accuracy" not in final:
             continue
         named = [v for k, v in final.items() if k.startswith("eval_accuracy/")]

@@ -114,6 +114,17 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
                           capture_output=True, text=True, cwd=REPO)
     assert both.returncode == 0, both.stderr
     assert both.stdout == again.stdout
+    # A run cut right after an evaluation (a lost lease's): step 0 and the evaluation after it, no final one.
+    cut = lease1 / "grpo_s0"
+    shutil.copytree(lease2 / "default_s0", cut)
+    lines = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] < 1 or (
+        r["step"] == 1 and "eval_accuracy" in r)))
+    partial = subprocess.run([sys.executable, "scripts/gpu/research_table.py", "--runs", str(lease1), str(lease2)],
+                             capture_output=True, text=True, cwd=REPO).stdout
+    assert "Not finished (no final evaluation): GRPO seed 0 (1 of 2 steps)." in partial
+    assert _rows(partial, "Training over the run")["GRPO (seq-mean, k3 KL 0.04)/0"][-1] == "-"  # no export check
+    assert "Best preset (final held-out accuracy, the runs so far): default" in partial
     best = subprocess.run([sys.executable, "scripts/gpu/research_table.py", "--runs", str(runs), "--best"],
                           capture_output=True, text=True, cwd=REPO)
     assert best.stdout.strip() == "default"
