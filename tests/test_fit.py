@@ -150,3 +150,19 @@ def test_an_fp8_kv_cache_counts_twice_the_tokens_in_the_same_budget():
                           role="colocated") for d in ("auto", "fp8"))
     assert fp8.kv_bytes == auto.kv_bytes and fp8.kv_token_bytes * 2 == auto.kv_token_bytes
     assert fp8.kv_tokens // 2 == auto.kv_tokens  # floor division of the same budget
+
+
+def test_an_engine_share_without_room_for_one_sequence_is_refused():
+    """The colocated engine is given the estimate's KV bytes (rollout/colocated.py): a share that leaves fewer
+    tokens than one sequence is refused before anything is built, naming the field."""
+    cfg = _config("0.6B", generator__gpu_memory_utilization=0.02)  # 1.6 GiB: the weights and the sampler's peak
+    shape = resolve_shape(flavor="0.6B", hf_checkpoint=None, vocab_size=0, max_seq_len=cfg.model.max_seq_len)
+    est = estimate(cfg, shape, world_size=1, device_total=H100, role="colocated")
+    assert est.kv_tokens < cfg.generator.max_model_len
+    with pytest.raises(ValueError, match=r"^generator.gpu_memory_utilization: its 1.6 GiB of cuda:0 leave the "
+                                         r"engine \d+ tokens of KV cache"):
+        check_fits(est, free=H100, device="cuda:0")
+    roomy = estimate(replace(cfg, "generator.gpu_memory_utilization", 0.05), shape, world_size=1, device_total=H100,
+                     role="colocated")
+    check_fits(roomy, free=H100, device="cuda:0")
+

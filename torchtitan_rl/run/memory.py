@@ -358,7 +358,12 @@ def host_available() -> int:
 
 def check_fits(est: MemoryEstimate, *, free: int, device: str) -> None:
     """ValueError in one line when what the estimate counts already exceeds ``free`` bytes of ``device`` (on CPU:
-    host memory)."""
+    host memory), or when a CUDA engine's share leaves no room for one sequence of KV cache."""
+    if est.device_total and est.role != "trainer" and est.kv_tokens < est.max_model_len:
+        raise ValueError(
+            f"generator.gpu_memory_utilization: its {est.engine_budget / GIB:.1f} GiB of {device} leave the engine "
+            f"{est.kv_tokens} tokens of KV cache after its weights, CUDA graphs and activations, fewer than one "
+            f"sequence of generator.max_model_len {est.max_model_len}; raise it ({est.summary()})")
     if est.peak > free:
         raise ValueError(
             f"memory: this run needs at least {est.peak / GIB:.1f} GiB on {device} ({est.summary()}), which has "
