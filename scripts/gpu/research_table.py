@@ -197,7 +197,10 @@ def comparison_tables(runs: dict[str, Path]) -> str:
     cut = [n for n in names if data[n] and final_eval(runs[n], *data[n]) is None]
     best_of = "the runs so far" if missing or cut else "mean over seeds"
     out += ["", seeds_table(runs, data), "", f"Best preset (final held-out accuracy, {best_of}): {best(runs)}"]
-    short = lambda n: f"{LABELS[RUN.match(n)['preset']].split(' (')[0]} seed {RUN.match(n)['seed']}"  # noqa: E731
+    def short(name: str) -> str:
+        m = RUN.match(name)
+        return f"{LABELS[m['preset']].split(' (')[0]} seed {m['seed']}"
+
     if cut:
         out.append("Not finished (no final evaluation): " + ", ".join(
             f"{short(n)} ({len(data[n][0])} of {planned_steps(runs[n]) or '?'} steps)" for n in cut) + ".")

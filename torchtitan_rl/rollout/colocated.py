@@ -35,9 +35,9 @@ class ColocatedGenerator:
     """The generator in the trainer ranks' processes; every trainer rank calls each method together."""
 
     def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], shape: ModelShape,
-                 device: torch.device, workdir: Path, kv_cache_bytes: int | None = None) -> None:
-        """``kv_cache_bytes``: each engine's KV cache (the run's memory estimate, run/memory.py); None: Engine's
-        default."""
+                 device: torch.device, workdir: Path, kv_cache_bytes: int) -> None:
+        """``kv_cache_bytes``: each engine's KV cache (the run's memory estimate, run/memory.py): required, as
+        vLLM's own sizing miscounts in a process the trainer shares."""
         self.generator = None
         rank = dist.get_rank()
         self.sleep_level = SLEEP_LEVELS[cfg.generator.sleep]
