@@ -152,12 +152,13 @@ def tail_table(numbers: dict) -> str:
 
 
 def leases_tables(folders: list[Path], *, gpu: str) -> str:
-    """A table per lease folder, then the rows no lease has run."""
+    """A table per lease folder that ran a row (a lease of profiles alone has none), then the rows none has run."""
     body, ran = "", set()
     for folder in folders:
         numbers = tail_numbers(folder)
         ran |= {key for key, n in numbers.items() if n is not None}
-        body += f"**{folder.name}** ({gpu_of(folder) or gpu or 'GPU not recorded'}):\n\n{tail_table(numbers)}\n"
+        if any(n is not None for n in numbers.values()) or len(folders) == 1:
+            body += f"**{folder.name}** ({gpu_of(folder) or gpu or 'GPU not recorded'}):\n\n{tail_table(numbers)}\n"
     missing = [f"{layout}-{size}-{mode}" for size in SIZES for layout in LAYOUTS for mode in MODES
                if mode not in OPTIONAL and (layout, size, mode) not in ran]
     return body + (f"Not run yet: {', '.join(missing)}.\n" if missing else "")
