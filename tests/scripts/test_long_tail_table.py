@@ -42,9 +42,13 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
 
 @pytest.mark.slow  # two CPU runs in the fixture
 def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
-    proc = subprocess.run([sys.executable, str(TABLE), str(results / "lease1"), str(results / "lease2"), "--gpu",
-                           "CPU"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    profiles = results / "lease3"  # a lease that ran profile_generate.py alone: no table of its own
+    profiles.mkdir(exist_ok=True)
+    (profiles / "profile_generate.json").write_text("{}")
+    proc = subprocess.run([sys.executable, str(TABLE), str(results / "lease1"), str(results / "lease2"),
+                           str(profiles), "--gpu", "CPU"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
+    assert "lease3" not in proc.stdout and "No row has run yet" not in proc.stdout
     first, second = proc.stdout.split("**lease2** (CPU)")
     assert "**lease1** (CPU)" in first
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
