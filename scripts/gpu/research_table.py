@@ -132,13 +132,17 @@ def final_eval(folder: Path, steps: dict[int, dict], evals: dict[int, dict]) -> 
     return evals.get(max(steps) + 1)
 
 
-def export_check(folder: Path, steps: dict[int, dict], evals: dict[int, dict]) -> str:
-    """Whether the standalone evaluator scored the run's export as the loop's final evaluation did: the accuracy
+def final_evals(runs: dict[str, Path], data: dict[str, tuple | None]) -> dict[str, dict | None]:
+    """Each run's final evaluation (``final_eval``; None for a run with no metrics or short of its end)."""
+    return {n: final_eval(runs[n], *d) if d else None for n, d in data.items()}
+
+
+def export_check(folder: Path, final: dict | None) -> str:
+    """Whether the standalone evaluator scored the run's export as the loop's ``final`` evaluation did: the accuracy
     of every set and the completions samples.jsonl kept."""
     report_path = folder / "evaluate.json"
     if not report_path.is_file():
         report_path = folder.parent / f"eval_{folder.name}.json"
-    final = final_eval(folder, steps, evals)
     if not report_path.is_file() or final is None:
         return "-"
     report = json.loads(report_path.read_text())
@@ -159,6 +163,7 @@ def comparison_tables(runs: dict[str, Path]) -> str:
     if not names:
         return "no comparison runs"
     data = {n: read_run(runs[n]) for n in names}
+    finals = final_evals(runs, data)
     eval_steps = sorted({s for d in data.values() if d for s in d[1]})
     sets = sorted({s for d in data.values() if d for s in set_names(d[1])}, key=lambda n: (n != "heldout", n))
     out = []
@@ -192,11 +197,11 @@ def comparison_tables(runs: dict[str, Path]) -> str:
             f"{window(steps, 'clip_frac_low', last - 4, last, '{:.4f}')} / {window(steps, 'clip_frac_high', last - 4, last, '{:.4f}')}",
             window(steps, "approx_kl", last - 4, last, "{:.4f}"),
             f"{statistics.median(r['step_s'] for r in steps.values()):.2f}",
-            export_check(runs[n], d[0], d[1])]) + " |")
+            export_check(runs[n], finals[n])]) + " |")
     missing = [n for n in PLAN if not data.get(n)]
-    cut = [n for n in names if data[n] and final_eval(runs[n], *data[n]) is None]
+    cut = [n for n in names if data[n] and finals[n] is None]
     best_of = "the runs so far" if missing or cut else "mean over seeds"
-    out += ["", seeds_table(runs, data), "", f"Best preset (final held-out accuracy, {best_of}): {best(runs)}"]
+    out += ["", seeds_table(finals), "", f"Best preset (final held-out accuracy, {best_of}): {best(finals)}"]
     def short(name: str) -> str:
         m = RUN.match(name)
         return f"{LABELS[m['preset']].split(' (')[0]} seed {m['seed']}"
@@ -210,11 +215,10 @@ def comparison_tables(runs: dict[str, Path]) -> str:
     return "\n".join(out)
 
 
-def seeds_table(runs: dict[str, Path], data: dict) -> str:
+def seeds_table(finals: dict[str, dict | None]) -> str:
     """Presets run with two seeds: each seed's final held-out accuracy and their difference against its SE."""
     by_preset: dict[str, list[dict]] = {}
-    for n, d in data.items():
-        final = final_eval(runs[n], *d) if d else None
+    for n, final in finals.items():
         if final is not None and "eval_accuracy" in final:
             by_preset.setdefault(RUN.match(n)["preset"], []).append(final)
     lines = ["| preset | final held-out per seed | difference | its standard error |", "|---|---|---|---|"]
@@ -228,11 +232,10 @@ def seeds_table(runs: dict[str, Path], data: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else "(no preset has two seeds yet)"
 
 
-def best(runs: dict[str, Path]) -> str:
+def best(finals: dict[str, dict | None]) -> str:
+    """The preset with the highest final held-out accuracy (mean over its seeds), ties broken by the named sets."""
     scores: dict[str, list[tuple[float, float]]] = {}
-    for n in comparison_runs(runs):
-        d = read_run(runs[n])
-        final = final_eval(runs[n], *d) if d else None
+    for n, final in finals.items():
         if final is None or "eval_accuracy" not in final:
             continue
         named = [v for k, v in final.items() if k.startswith("eval_accuracy/")]
@@ -302,7 +305,8 @@ def main() -> None:
     args = parser.parse_args()
     runs = find_runs(args.runs)
     if args.best:
-        print(best(runs))
+        names = comparison_runs(runs)
+        print(best(final_evals(runs, {n: read_run(runs[n]) for n in names})))
         return
     compare, long = comparison_tables(runs), curve_tables(runs, ("long_",))
     tool = curve_tables(runs, tuple(f"{name}_s" for name in TOOL_RUNS), every=10)
