@@ -165,4 +165,3 @@ def test_an_engine_share_without_room_for_one_sequence_is_refused():
     roomy = estimate(replace(cfg, "generator.gpu_memory_utilization", 0.05), shape, world_size=1, device_total=H100,
                      role="colocated")
     check_fits(roomy, free=H100, device="cuda:0")
-
