@@ -13,6 +13,8 @@
 # A run is PRESET or PRESET@SEED (seed 0 if none) and writes $RUNS/PRESET_sSEED (run-N/ and latest); the long run
 # $RUNS/long_PRESET. PRESET "calculator" is the tool task (CALC_ARGS on the default config, evaluated every 10
 # steps on 200 held-out problems, as the earlier 40-step run), "calcnobonus" the same without the format bonus.
+# "partial" is the default preset with partial rollouts (PARTIAL_ARGS, long_tail.sh's LONG_TAIL_ON_ARGS): beside
+# "default" at the same seed it is issue 39's math pair (learning not hurt: held-out accuracy at step 100).
 # Run i of COMPARE goes to GPU_LIST[i mod G] (default: every GPU nvidia-smi lists), so runs share a GPU when there
 # are more runs than GPUs; the first run on each GPU starts at once, the next STAGGER s later (vLLM
 # profiles its GPU's free memory at start). Every comparison run gets the same overrides: seed, STEPS, evaluation
@@ -41,12 +43,16 @@ LONG_STEPS=${LONG_STEPS:-400}
 LONG_GPU=${LONG_GPU:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-2}
 CALC_ARGS=${CALC_ARGS:-"--grpo.task calculator --task.max_turns 3 --generator.sampling.max_tokens 128 --eval.max_tokens 128 --eval.num_prompts 200 --eval.every_n_steps 10"}
+PARTIAL_ARGS=${PARTIAL_ARGS:-"--grpo.partial.enable true --grpo.partial.over_sample 64 --grpo.partial.max_token_age 2 \
+--grpo.importance_correction truncate"}
 config() {
-  case $1 in default|calculator|calcnobonus) echo run_configs/smollm2_135m_math.toml ;;
+  case $1 in default|calculator|calcnobonus|partial) echo run_configs/smollm2_135m_math.toml ;;
              *) echo "run_configs/smollm2_135m_math_$1.toml" ;; esac
 }
-extra() {  # the tool-task runs (docs/benchmarks.md, "Multi-turn tool task"): the calculator, with and without the format bonus
-  case $1 in calculator) echo "$CALC_ARGS" ;; calcnobonus) echo "$CALC_ARGS --task.format_reward_weight 0" ;; esac
+extra() {  # the tool-task runs (docs/benchmarks.md, "Multi-turn tool task"): the calculator, with and without the format
+  # bonus; and the default preset with partial rollouts
+  case $1 in calculator) echo "$CALC_ARGS" ;; calcnobonus) echo "$CALC_ARGS --task.format_reward_weight 0" ;;
+             partial) echo "$PARTIAL_ARGS" ;; esac
 }
 ngpus() { n=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$n" -gt 0 ] && echo "$n" || echo 1; }
 folder() { local seed=0; [[ $1 == *@* ]] && seed=${1#*@}; echo "${1%@*}_s$seed"; }
