@@ -280,6 +280,9 @@ def curve_tables(runs: dict[str, Path], prefixes: tuple[str, ...], *, every: int
             drop = (peak[1] - end[1]) / max((peak[2] ** 2 + end[2] ** 2) ** 0.5, 1e-9)
             out += ["", f"Held-out peak {peak[1]:.3f} at step {peak[0]}, last {end[1]:.3f} at step {end[0]}: "
                         f"{drop:.1f} standard errors below the peak."]
+        check = export_check(folder, final_eval(folder, steps, evals))
+        out.append("Export scored by the standalone evaluator: "
+                   + ("not yet (no final evaluation, or no report)" if check == "-" else check) + ".")
         out.append("")
     return "\n".join(out) if out else f"no {' or '.join(prefixes)} run"
 

@@ -52,6 +52,9 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
     (runs / "gspo_s1").mkdir()  # launched, no metrics yet
     (runs / "long_default").symlink_to(runs / "default_s0")  # parsed as a long run
     (runs / "calculator_s0").symlink_to(runs / "default_s0")  # and as a tool-task run
+    for name in ("long_default", "calculator_s0"):  # launched too: wait scores their exports
+        (runs / f"{name}.args").write_text("(launched by the test)")
+        (runs / f"{name}.gpu").write_text("0")
 
     out = tmp_path / "out"
     out.mkdir()
@@ -82,6 +85,8 @@ def test_wait_scores_the_export_and_packs_tables_that_read_the_run(tmp_path, smo
     tool = _rows(table, "calculator_s0 (2 steps trained):")
     assert list(tool) == ["before step 0/0.000 ± 0.000", "0-1/0.000 ± 0.000"]
     assert "calculator" not in table[:table.index("Best preset")]  # not a preset of the comparison
+    # the long and the tool-task run's exports, scored like the comparison's
+    assert table.count("Export scored by the standalone evaluator: equal.") == 2
 
     # The sections for docs/benchmarks.md, and every run's raw files in one tarball.
     bench = (out / "benchmarks.md").read_text()
