@@ -49,8 +49,8 @@ config() {
   case $1 in default|calculator|calcnobonus|partial) echo run_configs/smollm2_135m_math.toml ;;
              *) echo "run_configs/smollm2_135m_math_$1.toml" ;; esac
 }
-extra() {  # the tool-task runs (docs/benchmarks.md, "Multi-turn tool task"): the calculator, with and without the format
-  # bonus; and the default preset with partial rollouts
+extra() {  # the tool-task runs (docs/benchmarks.md, "Multi-turn tool task"): the calculator, with and without
+  # the format bonus; and the default preset with partial rollouts
   case $1 in calculator) echo "$CALC_ARGS" ;; calcnobonus) echo "$CALC_ARGS --task.format_reward_weight 0" ;;
              partial) echo "$PARTIAL_ARGS" ;; esac
 }

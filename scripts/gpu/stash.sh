@@ -1,8 +1,8 @@
 #!/bin/bash
-# Copied to .gpu/a/ and .gpu/a2/ by scripts/gpu/prepare.sh. Device calls 1 and 2, `bash .gpu/a/stash.sh` (carry .gpu/a)
-# and `bash .gpu/a2/stash.sh` (carry .gpu/a2), in either order: keep chunk A (vLLM's _C extension in two parts, since the
-# tree and the whole of it pass 64 MiB, and torchtitan's wheels) in /tmp/stash until the call that sources
-# .gpu/b/install.sh, which must follow within about 30 s (the machine stays warm that long).
+# Copied to .gpu/a/ and .gpu/a2/ by scripts/gpu/prepare.sh. Device calls 1 and 2, `bash .gpu/a/stash.sh` (carry
+# .gpu/a) and `bash .gpu/a2/stash.sh` (carry .gpu/a2), in either order: keep chunk A (vLLM's _C extension in two
+# parts, since the tree and the whole of it pass 64 MiB, and torchtitan's wheels) in /tmp/stash until the call that
+# sources .gpu/b/install.sh, which must follow within about 30 s (the machine stays warm that long).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/stash
