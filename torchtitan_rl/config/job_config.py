@@ -382,7 +382,7 @@ class GRPOConfig:
     ratio_level: Literal["token", "sequence"] = "token"
     """token: per-token ratio pi / pi_old (PPO, GRPO); sequence (GSPO): each sequence's geometric-mean ratio, clipped as one (its paper clips at 3e-4 / 4e-4), and grpo.importance_correction per sequence too; the advantage is per sequence either way, the loss still sums per-token terms."""
     dynamic_sampling: bool = False
-    """Drop groups whose completions are all right or all wrong (DAPO's accuracy filter, Task.correct: a format bonus or length penalty does not count as signal, so a format the policy starts without is learned, if at all, only in groups kept for their accuracy (one of two DAPO seeds never learned the boxed format): docs/benchmarks.md, "GRPO recipes on SmolLM2 math") and draw the prompts still missing until the batch holds grpo.prompts_per_step groups with signal."""
+    """Drop groups whose completions are all right or all wrong (DAPO's accuracy filter, Task.correct: a format bonus or length penalty does not count as signal, so a format the policy starts without is learned, if at all, only in groups kept for their accuracy (one of two DAPO seeds had not learned the boxed format by step 100): docs/benchmarks.md, "GRPO recipes on SmolLM2 math") and draw the prompts still missing until the batch holds grpo.prompts_per_step groups with signal."""
     dynamic_sampling_max_rounds: int = 3
     """Most extra draws per step under dynamic sampling (each of the groups still missing); still short after them, the batch is topped up with dropped groups."""
     overlong: Literal["off", "mask", "soft_penalty"] = "off"
