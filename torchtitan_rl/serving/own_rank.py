@@ -74,6 +74,9 @@ class Mailbox:
         self.timeout_s, self.peer = timeout_s, peer
         self.sent = {"msg": 0, "reply": 0, "group": 0}
         self.read = {"msg": 0, "reply": 0, "group": 0}
+        self._head: dict[str, tuple[object, list[str]]] = {}
+        """A box's next entry once peeked, with the keys holding it: loaded once (generator.inflight_updates peeks
+        at every engine step, and a queued "generate" carrying partial samples is tens of MB), deleted by get."""
 
     def put(self, box: str, value) -> None:
         key, data = f"{box}/{self.sent[box]}", pickle.dumps(value)
@@ -86,20 +89,19 @@ class Mailbox:
             self.store.set(key, _PARTS + str(len(parts)).encode())
         self.sent[box] += 1
 
-    def _load(self, key: str, raw: bytes, *, delete: bool):
-        """The message whose key holds ``raw``, its parts read (and deleted with ``delete``)."""
+    def _load(self, key: str, raw: bytes) -> tuple[object, list[str]]:
+        """The message whose key holds ``raw``, its parts read, and the keys holding it (parts first)."""
         kind, rest = raw[:1], raw[1:]
         assert kind in (_WHOLE, _PARTS), f"{key}: not a mailbox message"
+        keys = []
         if kind == _PARTS:
             keys = [f"{key}.{i}" for i in range(int(rest))]
             rest = b"".join(self.store.get(k) for k in keys)
-            for k in keys if delete else ():
-                self.store.delete_key(k)
-        return pickle.loads(rest)
+        return pickle.loads(rest), [*keys, key]
 
     def waiting(self, box: str) -> bool:
         """Whether the next ``box`` entry has arrived."""
-        return self.store.check([f"{box}/{self.read[box]}"])
+        return box in self._head or self.store.check([f"{box}/{self.read[box]}"])
 
     def arrived(self, box: str, index: int) -> bool:
         """Whether ``box`` entry ``index`` is there (not yet read: the reader deletes what it reads)."""
@@ -107,21 +109,27 @@ class Mailbox:
 
     def peek(self, box: str):
         """The next ``box`` entry if it has arrived (left for ``get``), else None; does not wait."""
-        if not self.waiting(box):
-            return None
-        key = f"{box}/{self.read[box]}"
-        return self._load(key, self.store.get(key), delete=False)
+        if box not in self._head:
+            if not self.waiting(box):
+                return None
+            key = f"{box}/{self.read[box]}"
+            self._head[box] = self._load(key, self.store.get(key))
+        return self._head[box][0]
 
     def get(self, box: str, what: str):
-        key = f"{box}/{self.read[box]}"
-        raw = store_value(self.store, key, self.timeout_s)
-        if raw is None:
-            raise RuntimeError(
-                f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
-                f"({self.timeout_s:g} s); did it crash?"
-            )
-        value = self._load(key, raw, delete=True)
-        self.store.delete_key(key)
+        if box in self._head:
+            value, keys = self._head.pop(box)
+        else:
+            key = f"{box}/{self.read[box]}"
+            raw = store_value(self.store, key, self.timeout_s)
+            if raw is None:
+                raise RuntimeError(
+                    f"generator: no {what} from the {self.peer} within weight_sync.peer_timeout_s "
+                    f"({self.timeout_s:g} s); did it crash?"
+                )
+            value, keys = self._load(key, raw)
+        for k in keys:
+            self.store.delete_key(k)
         self.read[box] += 1
         return value
 
