@@ -1,7 +1,7 @@
 """scripts/gpu/long_tail.sh end to end on CPU (a stand-in nvidia-smi, cpu_tiny's model in the long-tail config): a d row
-with partial rollouts checkpoints in one call and resumes in the next (LONG_TAIL_CHECKPOINT, LONG_TAIL_RESUME), its
-metrics continuing with every step once, while a row new in that call starts its run, and the summary and table
-start where the warm-up ends."""
+with partial rollouts checkpoints in one call and resumes in the next without checkpoints (LONG_TAIL_CHECKPOINT,
+LONG_TAIL_RESUME), its metrics continuing with every step once, while a row new in that call starts its run, and the
+summary and table start where the warm-up ends."""
 
 import json
 import os
@@ -48,9 +48,11 @@ def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.Comple
 def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_the_warm_up(tmp_path):
     first = _call(tmp_path, "out1", steps=3)
     assert "=== d-0.6B-stream: exit 0" in first.stdout
-    # the second call also starts a row the first had not: with nothing to resume it starts a run
-    _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1", ROWS="d-0.6B-stream+a-0.6B-off")
-    assert "torchtitan_rl: resuming" in (tmp_path / "work" / "d-0.6B-stream.log").read_text()
+    # the second call also starts a row the first had not: with nothing to resume it starts a run; it saves no
+    # checkpoint (docs/gpu.md's recipe: in layout d a checkpoint waits for the request in flight)
+    _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1", LONG_TAIL_CHECKPOINT="0", ROWS="d-0.6B-stream+a-0.6B-off")
+    log = (tmp_path / "work" / "d-0.6B-stream.log").read_text()
+    assert "torchtitan_rl: resuming" in log and "trainer.checkpoint.enable True -> False" in log
     assert "starting a new run" in (tmp_path / "work" / "a-0.6B-off.log").read_text()
     new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_a-0.6B-off.jsonl").open()]
     assert [r["step"] for r in new if "step_s" in r] == [0, 1, 2, 3, 4]
@@ -59,6 +61,7 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     steps = [r for r in lines if "step_s" in r]
     assert [r["step"] for r in steps] == [0, 1, 2, 3, 4]  # the first call's three, then the resumed two: each once
     assert steps[1]["checkpoint_s"] > 0 and steps[3]["checkpoint_s"] == 0  # no checkpoint before a resumed step
+    assert steps[4]["checkpoint_s"] == 0  # nor in the second call
     summary = [json.loads(line) for p in (tmp_path / "out2" / "r").glob("long_tail_summary_*.jsonl")
                for line in p.open()]
     # partial rollouts in layout d: steps 0 and 1 are warm-up; a-off's step 0 only
