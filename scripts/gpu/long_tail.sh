@@ -10,9 +10,9 @@
 #             truncated importance weights), the engine alone on its GPU (gpu_memory_utilization 0.85, no sleep)
 #   SIZE   0.6B | 1.7B: run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal
 #          response lengths, median 1500, p90 5000, cap 8192: grpo.harness_lengths)
-#   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (default: partial rollouts, over-sampling as many
-#          groups again as a step trains, tokens at most 2 versions old, per-token truncated importance weights;
-#          docs/benchmarks.md, "Partial rollouts on the CPU harness", says why these values), and on d rows also
+#   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (default: partial_args.sh's partial rollouts,
+#          over-sampling as many groups again as a step trains, tokens at most 2 versions old, per-token truncated
+#          importance weights), and on d rows also
 #          $LONG_TAIL_ON_D_ARGS (default: in-flight weight updates and streaming, own-rank layout only; the bound
 #          3 = 2 x grpo.max_staleness + 1) | fp8, onfp8: off, on with the KV cache in fp8 (generator.kv_cache_dtype:
 #          half the KV bytes a long-context decode step reads) | stream (d rows): on without in-flight updates
@@ -55,8 +55,8 @@ mkdir -p "$R"
 stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in its lease's folder
 STEPS=${LONG_TAIL_STEPS:-3}
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
-ON_ARGS=${LONG_TAIL_ON_ARGS-"--grpo.partial.enable true --grpo.partial.over_sample 64 --grpo.partial.max_token_age 2 \
---grpo.importance_correction truncate"}
+source "$(dirname "$0")/partial_args.sh"
+ON_ARGS=${LONG_TAIL_ON_ARGS-$PARTIAL_ON_ARGS}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.stream_groups true"}
 STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}

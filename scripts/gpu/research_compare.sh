@@ -13,8 +13,8 @@
 # A run is PRESET or PRESET@SEED (seed 0 if none) and writes $RUNS/PRESET_sSEED (run-N/ and latest); the long run
 # $RUNS/long_PRESET. PRESET "calculator" is the tool task (CALC_ARGS on the default config, evaluated every 10
 # steps on 200 held-out problems, as the earlier 40-step run), "calcnobonus" the same without the format bonus.
-# "partial" is the default preset with partial rollouts (PARTIAL_ARGS, long_tail.sh's LONG_TAIL_ON_ARGS): beside
-# "default" at the same seed it is issue 39's math pair (learning not hurt: held-out accuracy at step 100).
+# "partial" is the default preset with partial rollouts (PARTIAL_ARGS, default partial_args.sh's as in long_tail.sh):
+# beside "default" at the same seed it is issue 39's math pair (learning not hurt: held-out accuracy at step 100).
 # Run i of COMPARE goes to GPU_LIST[i mod G] (default: every GPU nvidia-smi lists), so runs share a GPU when there
 # are more runs than GPUs; the first run on each GPU starts at once, the next STAGGER s later (vLLM
 # profiles its GPU's free memory at start). Every comparison run gets the same overrides: seed, STEPS, evaluation
@@ -43,8 +43,8 @@ LONG_STEPS=${LONG_STEPS:-400}
 LONG_GPU=${LONG_GPU:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-2}
 CALC_ARGS=${CALC_ARGS:-"--grpo.task calculator --task.max_turns 3 --generator.sampling.max_tokens 128 --eval.max_tokens 128 --eval.num_prompts 200 --eval.every_n_steps 10"}
-PARTIAL_ARGS=${PARTIAL_ARGS:-"--grpo.partial.enable true --grpo.partial.over_sample 64 --grpo.partial.max_token_age 2 \
---grpo.importance_correction truncate"}
+source scripts/gpu/partial_args.sh
+PARTIAL_ARGS=${PARTIAL_ARGS:-$PARTIAL_ON_ARGS}
 config() {
   case $1 in default|calculator|calcnobonus|partial) echo run_configs/smollm2_135m_math.toml ;;
              *) echo "run_configs/smollm2_135m_math_$1.toml" ;; esac
