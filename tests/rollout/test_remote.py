@@ -287,10 +287,9 @@ def test_a_message_over_the_stores_limit_goes_in_parts():
     assert server.num_keys() == 1  # the store's own counter key only: every part was deleted with its message
 
 
-
 def test_a_peeked_message_is_read_from_the_store_once():
     # generator.inflight_updates peeks at every engine step while the next "generate" (its carried partial samples:
-    # tens of MB) waits at the head of the mailbox; reading it again each time made a generate 2.7x slower on a GPU.
+    # tens of MB) waits at the head of the mailbox: read again each time, it slowed the generate (docs/benchmarks.md).
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timedelta(seconds=30))
     trainer, generator = Mailbox(store, timeout_s=5, peer="generator"), Mailbox(store, timeout_s=5, peer="trainer")
     request = {"op": "generate", "prompts": list(range(2_000_000))}  # over PART_BYTES: stored in parts
@@ -300,6 +299,7 @@ def test_a_peeked_message_is_read_from_the_store_once():
     assert generator.waiting("msg") and generator.peek("msg") == request  # not read again
     assert generator.get("msg", "request") == request and generator.peek("msg") is None
     assert store.num_keys() == 1  # the store's own counter key only: the message and its parts deleted
+
 
 @pytest.mark.slow
 def test_nccl_heldout_evaluation_runs_on_the_generator_rank(tmp_path, smollm2_dir):
