@@ -55,7 +55,7 @@ mkdir -p "$R"
 stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in its lease's folder
 STEPS=${LONG_TAIL_STEPS:-3}
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
-source "$(dirname "$0")/partial_args.sh"
+source scripts/gpu/partial_args.sh  # multi_gpu_env.sh made the repository root the working folder
 ON_ARGS=${LONG_TAIL_ON_ARGS-$PARTIAL_ON_ARGS}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.stream_groups true"}
