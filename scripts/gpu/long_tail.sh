@@ -20,7 +20,8 @@
 #          iteration in flight before a sync; on 2026-11-27 they turned it off, which halved the engine's tokens/s)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
-#                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches)
+#                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches;
+#                    LONG_TAIL_TRAINER_VARIANTS: names of bench_trainer.py's VARIANTS separated by ';')
 #   trainer16k-SIZE  the same with every row 16384 + prompt tokens long (8 prompts x 8): the 16k worst case
 #   math-off, math-on  SmolLM2-135M-Instruct on the math task, run_configs/smollm2_135m_math.toml, 100 steps, the
 #                    "on" one with $LONG_TAIL_ON_ARGS; LONG_TAIL_RESUME=1 continues the last call's runs (a
@@ -60,6 +61,8 @@ ON_ARGS=${LONG_TAIL_ON_ARGS-$PARTIAL_ON_ARGS}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.stream_groups true"}
 STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}
+TRAINER_VARIANTS=${LONG_TAIL_TRAINER_VARIANTS:-"chunked + compile + full AC, 32k tokens;chunked + compile + full AC, \
+64k tokens;chunked + compile + full AC, 128k tokens"}
 work=${LONG_TAIL_WORK:-/tmp/long_tail}  # kept while the machine is warm: runs resume from here
 mkdir -p "$work"
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
@@ -104,8 +107,8 @@ launch() {
       local over=()
       [ "$layout" = trainer16k ] && over=(--generator.sampling.max_tokens 16384 --generator.max_model_len 16640
                                           --model.max_seq_len 16640 --grpo.prompts_per_step 8)
-      local variants=("chunked + compile + full AC, 32k tokens" "chunked + compile + full AC, 64k tokens"
-                      "chunked + compile + full AC, 128k tokens")
+      local variants
+      IFS=';' read -r -a variants <<< "$TRAINER_VARIANTS"
       CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
         $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write --variants "${variants[@]}" \
         --json "$R/long_tail_${layout}_$size.json" "${over[@]}" > "$work/$row.log" 2>&1 & ;;
