@@ -17,6 +17,11 @@ Long contexts (issue 39: what an engine step costs when its attention reads thou
 (n 1: prompts of their own, so no sequence reads another's cached blocks; the prefill is in the profile, ~5% of
 the attention's time at these sizes). Variants triton and fp8_triton run vLLM's Triton attention instead of
 FlashAttention-3 (generator.attention_backend), whose fp8 path read at 56% of an H200's bandwidth (bf16: 90%).
+The own-rank generator's batch (issue 39, layout d: a few hundred sequences of ~2k-token contexts, where an engine
+step cost the same in bf16 and fp8), and what vLLM's per-request seeded sampling costs there (variants batched,
+fp8_batched: generator.seeded_noise batched):
+    python3 scripts/gpu/profile_generate.py --variants base batched fp8 fp8_batched --prompts 320 --n 1 \
+        --prompt-len 2000 --max-tokens 256 --gpu-memory-utilization 0.8
 
 Definitions (per generate, ``iterations`` = model executions with scheduled tokens):
 - gpu_busy_fraction: union of kernel intervals / wall, under the profiler; gpu_busy_fraction_unprofiled
@@ -62,6 +67,8 @@ VARIANTS = {
     "fp8": {"kv_cache_dtype": "fp8"},
     "triton": {"attention_backend": "TRITON_ATTN"},
     "fp8_triton": {"kv_cache_dtype": "fp8", "attention_backend": "TRITON_ATTN"},
+    "batched": {"seeded_noise": "batched"},
+    "fp8_batched": {"kv_cache_dtype": "fp8", "seeded_noise": "batched"},
 }
 """GeneratorConfig overrides per variant (base: the loop's config). dict_logprobs: base with vLLM's
 per-token logprob dicts (flat_logprobs off), the host path before flat logprobs."""
@@ -223,6 +230,7 @@ def main() -> None:
         Path(args.worker_out).write_text(json.dumps(worker(args.worker, args)))
         os._exit(0)  # skip vLLM's in-process engine teardown
     out = Path(args.out) / "profile_generate.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the first variant's minutes, not after them
     results = []
     passthrough = ["--flavor", args.flavor, "--device", args.device, "--prompts", str(args.prompts), "--n", str(args.n),
                    "--prompt-len", str(args.prompt_len), "--max-tokens", str(args.max_tokens),
