@@ -194,12 +194,14 @@ def trainer_table(folders: list[Path]) -> str:
             if not path.is_file():
                 continue
             for name, r in json.loads(path.read_text())["results"].items():
-                rows.append([size, rows_are, name, f"{r['tokens']:,}", f"{r['recompute_peak_gib']:.1f}",
-                             f"{r['fwd_bwd_peak_gib']:.1f}", f"{r['fwd_bwd_tokens_per_s']:,.0f}"])
+                mfu = r.get("fwd_bwd_mfu")
+                rows.append([results.name, size, rows_are, name, f"{r['tokens']:,}", f"{r['recompute_peak_gib']:.1f}",
+                             f"{r['fwd_bwd_peak_gib']:.1f}", f"{r['fwd_bwd_tokens_per_s']:,.0f}",
+                             f"{100 * mfu:.1f}%" if mfu is not None else "-"])
     if not rows:
         return "Trainer at long rows: not run yet.\n"
-    return table(["size", "rows", "trainer setting", "tokens", "recompute peak GiB", "fwd+bwd peak GiB",
-                  "fwd+bwd tokens/s"], rows)
+    return table(["lease", "size", "rows", "trainer setting", "tokens", "recompute peak GiB", "fwd+bwd peak GiB",
+                  "fwd+bwd tokens/s", "fwd+bwd MFU"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
