@@ -61,8 +61,9 @@ ON_ARGS=${LONG_TAIL_ON_ARGS-$PARTIAL_ON_ARGS}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.stream_groups true"}
 STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}
-TRAINER_VARIANTS=${LONG_TAIL_TRAINER_VARIANTS:-"chunked + compile + full AC, 32k tokens;chunked + compile + full AC, \
-64k tokens;chunked + compile + full AC, 128k tokens"}
+TRAINER_VARIANTS=("chunked + compile + full AC, 32k tokens" "chunked + compile + full AC, 64k tokens"
+                  "chunked + compile + full AC, 128k tokens")
+[ -n "${LONG_TAIL_TRAINER_VARIANTS:-}" ] && IFS=';' read -r -a TRAINER_VARIANTS <<< "$LONG_TAIL_TRAINER_VARIANTS"
 work=${LONG_TAIL_WORK:-/tmp/long_tail}  # kept while the machine is warm: runs resume from here
 mkdir -p "$work"
 gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
@@ -107,11 +108,10 @@ launch() {
       local over=()
       [ "$layout" = trainer16k ] && over=(--generator.sampling.max_tokens 16384 --generator.max_model_len 16640
                                           --model.max_seq_len 16640 --grpo.prompts_per_step 8)
-      local variants
-      IFS=';' read -r -a variants <<< "$TRAINER_VARIANTS"
       CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
-        $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write --variants "${variants[@]}" \
-        --json "$R/long_tail_${layout}_$size.json" "${over[@]}" > "$work/$row.log" 2>&1 & ;;
+        $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write \
+        --variants "${TRAINER_VARIANTS[@]}" --json "$R/long_tail_${layout}_$size.json" "${over[@]}" \
+        > "$work/$row.log" 2>&1 & ;;
     math)
       local run=$work/$row resume=()
       if [ "${LONG_TAIL_RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$run"; fi
