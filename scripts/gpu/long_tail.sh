@@ -18,6 +18,8 @@
 #          half the KV bytes a long-context decode step reads) | stream (d rows): on without in-flight updates
 #          ($LONG_TAIL_STREAM_D_ARGS: streaming only). Both keep async scheduling on (in-flight updates drain the
 #          iteration in flight before a sync; on 2026-11-27 they turned it off, which halved the engine's tokens/s)
+#          Any mode may end in -batched (e.g. a-0.6B-onfp8-batched): generator.seeded_noise batched, every seeded
+#          sample's noise drawn in one kernel a step instead of vLLM's kernel per sample
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches;
@@ -80,9 +82,12 @@ launch() {
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=$size
+  case $mode in *-batched) mode=${mode%-batched}; args+=(--generator.seeded_noise batched) ;; esac
+  case $layout-$mode in [abd]-off|[abd]-on|[abd]-fp8|[abd]-onfp8|d-stream|math-off|math-on|trainer*-) ;;
+    *) echo "row $row: unknown mode '$mode' for layout $layout"; return 2 ;; esac
   case $mode in
     on|onfp8) args+=($ON_ARGS); [ "$layout" = d ] && args+=($ON_D_ARGS) ;;
-    stream) [ "$layout" = d ] || { echo "row $row: stream is a d mode"; return 2; }; args+=($ON_ARGS $STREAM_D_ARGS) ;;
+    stream) args+=($ON_ARGS $STREAM_D_ARGS) ;;
   esac
   case $mode in *fp8) args+=(--generator.kv_cache_dtype fp8) ;; esac
   local common=(--trainer.steps "$STEPS" --job.output_dir "$work/$row" ${LONG_TAIL_ARGS:-})

@@ -5,7 +5,8 @@
 Each RESULTS folder holds the rows of one machine lease (its calls' long_tail.tgz unpacked there): rows compare
 only within their folder, so each folder gets its own table, named by the folder and its GPU (from its
 summaries; --gpu where it has none). Reads, in each:
-  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on/fp8/onfp8/stream)
+  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on/fp8/onfp8/stream,
+                                           each also with -batched: generator.seeded_noise batched)
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
@@ -28,7 +29,7 @@ few sequences run: far below the rest, the step's fixed costs or a kernel the sm
 to finish (grpo.partial.max_token_age) or the token budget (gen_after_need_s); rows logged before the metric show
 the tail share alone.
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
-d). Missing rows are listed as such, so a partial run still gives its part of the table.
+d), as today's default runs it (vLLM's seeded sampling: a -batched row's speed-up includes the noise's). Missing rows are listed as such, so a partial run still gives its part of the table.
 """
 
 import argparse
@@ -50,10 +51,12 @@ LAYOUTS = {"a": "colocated, 1 GPU", "b": "colocated, 2 GPUs", "d": "own-rank ncc
 BASELINE = {"a": "a", "b": "b", "d": "b"}
 """Speed-ups are against the synchronous (off) colocated row on as many GPUs."""
 SIZES = ("0.6B", "1.7B")
-MODES = ("off", "on", "fp8", "onfp8", "stream")
-OPTIONAL = ("fp8", "onfp8", "stream")
-"""Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates): in the table when run, never
-listed as missing."""
+NOISES = ("", "-batched")
+"""A mode's suffix: -batched draws every seeded sample's noise in one kernel a step (generator.seeded_noise)."""
+MODES = tuple(mode + noise for mode in ("off", "on", "fp8", "onfp8", "stream") for noise in NOISES)
+OPTIONAL = tuple(mode for mode in MODES if mode not in ("off", "on"))
+"""Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates; batched noise): in the table
+when run, never listed as missing."""
 TARGETS = ("Targets (issue 39): tail share <= 10% with partial rollouts on; one GPU (a-on) >= 1.4x a-off; two GPUs "
            "(the better of b-on, d-on) >= 2.0x b-off; math: held-out accuracy at step 100 within 2 standard errors.")
 
@@ -72,7 +75,7 @@ def evals(path: Path) -> list[dict]:
 def warmup(layout: str, mode: str) -> int:
     """Steps left out of a row: WARMUP, and in layout d (grpo.max_staleness 1) with partial rollouts one more:
     request 1 is built while request 0 runs, so neither carries a group and both generate a whole pool."""
-    return WARMUP + 1 if layout == "d" and mode in PARTIAL else WARMUP
+    return WARMUP + 1 if layout == "d" and mode.removesuffix("-batched") in PARTIAL else WARMUP
 
 
 def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
