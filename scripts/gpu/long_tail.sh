@@ -19,7 +19,8 @@
 #          ($LONG_TAIL_STREAM_D_ARGS: streaming only). Both keep async scheduling on (in-flight updates drain the
 #          iteration in flight before a sync; on 2026-11-27 they turned it off, which halved the engine's tokens/s)
 #          Any mode may end in -batched (e.g. a-0.6B-onfp8-batched): generator.seeded_noise batched, every seeded
-#          sample's noise drawn in one kernel a step instead of vLLM's kernel per sample
+#          sample's noise drawn in one kernel a step instead of vLLM V1's kernel per sample (the dense rows run on
+#          vLLM 0.26's model runner V2, which does that already: there the row runs as its plain mode)
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches;

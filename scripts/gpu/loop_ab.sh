@@ -5,7 +5,8 @@
 #   after        this tree, run_configs/qwen3_0.6b.toml as written (compiled decoder, job.host_threads 0)
 #   threads_off  this tree, --job.host_threads -1 (torch's and vLLM's own thread defaults, as before job.host_threads)
 #   eager        this tree, --generator.compile false (the decoder as before compile became the default)
-#   batched      this tree, --generator.seeded_noise batched (every seeded row's noise in one kernel, not one each)
+#   batched      this tree, --generator.seeded_noise batched (every seeded row's noise in one kernel, not one each;
+#                on this dense config vLLM 0.26's model runner V2 does that already: the same samples, the run says so)
 #   threads4     this tree, --job.host_threads 4 (the default gives one process of a 16-core one-GPU host all 16: its
 #                OpenMP pool then spins on the cores the engine's own thread needs after every CPU op)
 #   passive      this tree with OMP_WAIT_POLICY=PASSIVE (OpenMP threads sleep instead of spinning when idle)

@@ -18,8 +18,8 @@ Long contexts (issue 39: what an engine step costs when its attention reads thou
 the attention's time at these sizes). Variants triton and fp8_triton run vLLM's Triton attention instead of
 FlashAttention-3 (generator.attention_backend), whose fp8 path read at 56% of an H200's bandwidth (bf16: 90%).
 The own-rank generator's batch (issue 39, layout d: a few hundred sequences of ~2k-token contexts, where an engine
-step cost the same in bf16 and fp8), and what vLLM's per-request seeded sampling costs there (variants batched,
-fp8_batched: generator.seeded_noise batched):
+step cost the same in bf16 and fp8), with and without generator.seeded_noise batched (variants batched, fp8_batched;
+on 2026-11-29 the same samples digest as without: vLLM 0.26's model runner V2 samples every request in one kernel):
     python3 scripts/gpu/profile_generate.py --variants base batched fp8 fp8_batched --prompts 320 --n 1 \
         --prompt-len 2000 --max-tokens 256 --gpu-memory-utilization 0.8
 

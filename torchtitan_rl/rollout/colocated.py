@@ -59,7 +59,7 @@ class ColocatedGenerator:
                     batch_invariant=cfg.batch_invariant_mode, kv_cache_bytes=kv_cache_bytes,
                 )
             if rank == 0:
-                print(self.generator.capacity_line(), flush=True)
+                print("\n".join(self.generator.start_lines()), flush=True)
         try:
             self.weight_sync = WeightSync(
                 cfg.weight_sync, reference=reference, generator=self.generator, lora=cfg.model.lora,

@@ -145,7 +145,7 @@ def serve(cfg: JobConfig, *, world: World, shape: ModelShape, workdir: Path) -> 
             device=world.device.type, workdir=workdir, batch_invariant=cfg.batch_invariant_mode,
         )
     if world.replica == 0:
-        print(generator.capacity_line(), flush=True)
+        print("\n".join(generator.start_lines()), flush=True)
     try:
         mailbox = Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer="trainer",
                            replica=world.replica)
