@@ -5,8 +5,8 @@
 Each RESULTS folder holds the rows of one machine lease (its calls' long_tail.tgz unpacked there): rows compare
 only within their folder, so each folder gets its own table, named by the folder and its GPU (from its
 summaries; --gpu where it has none). Reads, in each:
-  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode off/on/fp8/onfp8/stream,
-                                           each also with -batched: generator.seeded_noise batched)
+  long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/b/d, size 0.6B/1.7B, mode
+                                           off/on/fp8/onfp8/stream, each also with -batched: seeded_noise batched)
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
@@ -29,7 +29,8 @@ few sequences run: far below the rest, the step's fixed costs or a kernel the sm
 to finish (grpo.partial.max_token_age) or the token budget (gen_after_need_s); rows logged before the metric show
 the tail share alone.
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a; b-off for b and
-d), as today's default runs it (vLLM's seeded sampling: a -batched row's speed-up includes the noise's). Missing rows are listed as such, so a partial run still gives its part of the table.
+d), as today's default runs it (a -batched row's speed-up includes the noise's). Missing rows are listed as such,
+so a partial run still gives its part of the table.
 """
 
 import argparse
