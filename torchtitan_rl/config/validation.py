@@ -98,6 +98,16 @@ def _check_layout(cfg: JobConfig, *, world_size: int, device: str) -> None:
         if cfg.weight_sync.transport != "nccl":
             raise ValueError(f"generator.inflight_updates: a sync lands in a running generate on the generator's own "
                              f"rank (weight_sync.transport 'nccl'); got '{cfg.weight_sync.transport}'")
+    if cfg.generator.overlap_training:
+        if cfg.weight_sync.transport != "inplace":
+            raise ValueError(f"generator.overlap_training: overlaps a colocated engine's generate with training "
+                             f"(weight_sync.transport 'inplace'); '{cfg.weight_sync.transport}' overlaps them already")
+        if cfg.grpo.max_staleness < 1:
+            raise ValueError("generator.overlap_training: needs grpo.max_staleness >= 1 (a request made ahead is what "
+                             "runs while the trainer trains); got 0")
+        if cfg.generator.sleep != "off":
+            raise ValueError(f"generator.overlap_training: the engine generates while the trainer steps, so it cannot "
+                             f"sleep then; set generator.sleep off (got '{cfg.generator.sleep}')")
     if cfg.generator.sleep != "off" and cfg.weight_sync.transport != "inplace":
         raise ValueError(f"generator.sleep: '{cfg.generator.sleep}' frees a colocated engine's memory while the "
                          f"trainer steps; weight_sync.transport '{cfg.weight_sync.transport}' has none, set it off")

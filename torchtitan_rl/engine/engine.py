@@ -173,6 +173,8 @@ class Engine:
         """While a generate runs: each unfinished request's version changes, (its tokens so far, the version its
         next tokens are sampled with), the first at (0, the generate's version); None between generates."""
 
+        self._interrupted = False
+        """interrupt(): a generate running in another thread stops at its next engine step."""
         self._loop_threads = config.loop_threads if torch.device(device).type == "cuda" else 0
         """Intra-op threads while the engine loop runs (generator.loop_threads; a CPU engine computes with all)."""
         check_sleep(config.sleep, device)
@@ -302,6 +304,11 @@ class Engine:
         except Exception:  # noqa: BLE001  no room after a failure (the trainer's memory still held): that failure is
             pass  # the one to report, and shutting down asleep costs those lines only
         compat.shutdown_engine(self.engine)
+
+    def interrupt(self) -> None:
+        """The engine is about to be closed from another thread than the one generating (a colocated engine's
+        worker, generator.overlap_training): its generate raises at the next engine step instead of finishing."""
+        self._interrupted = True
 
     @property
     def weight_version(self) -> int | None:
@@ -475,6 +482,8 @@ class Engine:
                 # Also collects a batch still in flight once every request finished (async scheduling): the
                 # engine is idle when generate returns, so a sync never writes under a running iteration.
                 while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
+                    if self._interrupted:
+                        raise RuntimeError("generator: closed while a generate ran")
                     for out in self.engine.step():
                         if out.finished:
                             finished[out.request_id] = out.outputs[0]

@@ -66,7 +66,7 @@ def fit(cfg: JobConfig, shape: ModelShape, *, world_size: int, role: str, device
         est = estimate(cfg, shape, world_size=world_size, device_total=device_total, role=role)
 
     inplace = cfg.weight_sync.transport == "inplace"
-    if inplace and cfg.generator.sleep == "off":
+    if inplace and cfg.generator.sleep == "off" and not cfg.generator.overlap_training:  # it generates while training
         apply("generator.sleep", "weights" if cfg.weight_sync.enable else "kv_cache")
     if not fits() and cfg.trainer.master_dtype == "float32":
         apply("trainer.master_dtype", "bfloat16")
