@@ -362,6 +362,17 @@ def run_engine_on(engine, stream: torch.cuda.Stream) -> None:
         runner.main_stream = stream
 
 
+def compile_lock():
+    """The lock torch.compile holds in the thread that compiles, from dynamo's trace through the backend's (torch
+    2.11, 2.13: torch._dynamo.convert_frame.compile_lock, an RLock). While AOTAutograd traces, torch.fx has patched
+    ``nn.Module.__call__`` for the whole process, so a module called in another thread meanwhile is traced into
+    the graph or refused ("Detected that you are using FX to symbolically trace a dynamo-optimized function", an
+    engine thread on an H200): holding it keeps another thread's module calls out of a compile."""
+    from torch._dynamo.convert_frame import compile_lock as lock
+
+    return lock
+
+
 def _model_runner(engine):
     """The model runner of an in-process ``LLMEngine``'s (first) worker."""
     return engine.collective_rpc(lambda worker: worker.model_runner)[0]

@@ -37,8 +37,10 @@
 # one GPU, b and d rows two); groups separated by spaces run one after another.
 # LONG_TAIL_ARGS adds overrides to every loop row (e.g. "--job.device cpu --model.flavor tiny ..." for a CPU
 # rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S
-# (default 540: a device call is at most 600 s) and keeps the steps it logged; the table counts steps from 1 on
-# (step 0 compiles; 2 on for d rows with partial rollouts: their first two requests carry no group and each
+# (default 540: a device call is at most 600 s; killed 20 s after, as a cut run once outlived its call's
+# timeout_s 30 s later and the call brought nothing back: give timeout_s 60 s more) and keeps the steps it logged;
+# the table counts steps from 1 on
+# (step 0 compiles; 2 on for d and e rows with partial rollouts: their first two requests carry no group and each
 # generates a whole over-sampled pool). A row longer than one call: LONG_TAIL_CHECKPOINT=N saves every N steps
 # (keep 1), and the next call on the same warm machine with LONG_TAIL_RESUME=1 (the same settings, but
 # LONG_TAIL_CHECKPOINT=0: in layout d a checkpoint waits for the request in flight, ~130 s at 0.6B) resumes
@@ -107,20 +109,20 @@ launch() {
   [ "$layout" = e ] && args+=(--grpo.max_staleness 1 --grpo.importance_correction truncate
                               --generator.overlap_training true)
   case $layout in
-    a|e) CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+    a|e) CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
          --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     b|d)
       [ "$layout" = d ] && args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.85
                                   --generator.sleep off --grpo.max_staleness 1 --grpo.importance_correction truncate)
       port=$((port + 1))
-      CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.launch --nproc-per-node 2 \
+      CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.launch --nproc-per-node 2 \
         --master-port "$port" -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" "${common[@]}" \
         --weight_sync.peer_timeout_s 500 "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     trainer|trainer16k)
       local over=()
       [ "$layout" = trainer16k ] && over=(--generator.sampling.max_tokens 16384 --generator.max_model_len 16640
                                           --model.max_seq_len 16640 --grpo.prompts_per_step 8)
-      CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
+      CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
         $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write \
         --variants "${TRAINER_VARIANTS[@]}" --json "$R/long_tail_${layout}_$size.json" "${over[@]}" \
         > "$work/$row.log" 2>&1 & ;;
@@ -128,7 +130,7 @@ launch() {
       local run=$work/$row resume=()
       if [ "${LONG_TAIL_RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$run"; fi
       (python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
-        && CUDA_VISIBLE_DEVICES=$gpus timeout "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+        && CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
              --config run_configs/smollm2_135m_math.toml --trainer.steps 100 --job.output_dir "$run" \
              "${resume[@]}" "${args[@]}") > "$work/$row.log" 2>&1 & ;;
   esac

@@ -1,8 +1,10 @@
 """The generator's contract: nothing is served before the trainer's weights arrive."""
 
+import contextlib
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from tests.helpers import (
     tiny_shape,
     trainer_model,
 )
+from torchtitan_rl import compat
 from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.engine.engine import WeightsNotSyncedError
 from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
@@ -115,6 +118,33 @@ def test_generate_during_a_sync_waits_for_it_even_without_a_wait_budget(unsynced
     rollouts = unsynced.generate(PROMPTS, n=1, seed=2)
     assert time.monotonic() - started >= 0.4
     assert rollouts.weight_version == version + 1
+
+
+def test_an_engine_step_in_another_thread_waits_out_a_compile(unsynced):
+    """generator.overlap_training: while torch.compile traces in the trainer's thread, torch.fx has patched
+    nn.Module.__call__ process-wide; an engine step in the worker thread then was traced into it (an H200 run
+    died so). The worker's steps take the lock a compile holds throughout."""
+    held = []
+
+    def backend(graph, inputs):  # inside the compile: another thread cannot take the lock
+        probe = ThreadPoolExecutor(1)
+        held.append(not probe.submit(compat.compile_lock().acquire, blocking=False).result())
+        probe.shutdown()
+        return graph.forward
+
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(3))
+    assert held == [True]
+    unsynced.step_lock = compat.compile_lock()
+    worker = ThreadPoolExecutor(1)
+    try:
+        with compat.compile_lock():  # as a compile in this thread holds it
+            running = worker.submit(unsynced.generate, PROMPTS, n=1, seed=4)
+            time.sleep(1.0)
+            assert not running.done()  # its first step waits
+        assert running.result(timeout=120).weight_version == unsynced.weight_version
+    finally:
+        unsynced.step_lock = contextlib.nullcontext()
+        worker.shutdown()
 
 
 def test_rollouts_report_engine_time_and_the_idle_time_before_them(unsynced):

@@ -10,6 +10,7 @@ sleep, the hooks a sync writes through); what stands apart already lives beside 
 compile_cache).
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -154,11 +155,13 @@ class Engine:
         batch_invariant: bool = False,
         tokenizer_dir: str | None = None,
         kv_cache_bytes: int | None = None,
+        step_lock: contextlib.AbstractContextManager | None = None,
     ) -> None:
         """``tokenizer_dir``: an HF tokenizer folder for vLLM to detokenize with (text, stop strings); the
         rollout server passes one, training needs none (token ids in, token ids out). ``kv_cache_bytes``: the KV
         cache's size (a colocated engine's, from the run's memory estimate); else generator.kv_cache_memory_gb on
-        CPU, and on CUDA what vLLM's profile leaves of generator.gpu_memory_utilization."""
+        CPU, and on CUDA what vLLM's profile leaves of generator.gpu_memory_utilization. ``step_lock``: held
+        through each engine step (a colocated engine generating in a thread of its own: compat.compile_lock)."""
         self.config = config
         self.shape = shape
         self.seed = seed
@@ -173,6 +176,8 @@ class Engine:
         """While a generate runs: each unfinished request's version changes, (its tokens so far, the version its
         next tokens are sampled with), the first at (0, the generate's version); None between generates."""
 
+        self.step_lock = step_lock or contextlib.nullcontext()
+        """Held through each engine step of a generate."""
         self._interrupted = False
         """interrupt(): a generate running in another thread stops at its next engine step."""
         self._loop_threads = config.loop_threads if torch.device(device).type == "cuda" else 0
@@ -484,7 +489,9 @@ class Engine:
                 while self.engine.has_unfinished_requests() or compat.batches_in_flight(self.engine):
                     if self._interrupted:
                         raise RuntimeError("generator: closed while a generate ran")
-                    for out in self.engine.step():
+                    with self.step_lock:
+                        outputs = self.engine.step()
+                    for out in outputs:
                         if out.finished:
                             finished[out.request_id] = out.outputs[0]
                             self._running.pop(out.request_id, None)

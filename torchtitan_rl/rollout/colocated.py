@@ -66,6 +66,8 @@ class ColocatedGenerator:
                     # each engine writes its config.json into a folder of its own
                     workdir=workdir if rank == 0 else Path(workdir) / f"rank{rank}",
                     batch_invariant=cfg.batch_invariant_mode, kv_cache_bytes=kv_cache_bytes,
+                    # a step in the worker thread never runs inside the trainer thread's compile
+                    step_lock=compat.compile_lock() if cfg.generator.overlap_training else None,
                 )
             if rank == 0:
                 print("\n".join(self.generator.start_lines()), flush=True)
