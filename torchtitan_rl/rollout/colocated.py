@@ -74,15 +74,13 @@ class ColocatedGenerator:
         self.worker = None
         """generator.overlap_training: the thread that runs this rank's engine, one request after another."""
         self.stream = None
-        """The worker's CUDA stream (high priority): the engine's kernels run beside the trainer's, not after them."""
+        """The worker's CUDA stream: the engine's kernels run beside the trainer's, not after them."""
         self.running: list[Future] = []
         """The requests handed to the worker and not yet waited for by a sync."""
         if cfg.generator.overlap_training:
             cuda = device.type == "cuda"
             if cuda and self.generator is not None:
-                # High priority: the GPU's block scheduler hands free SMs to the decode's kernels first, and the
-                # trainer's fill the rest (docs/design.md, "Asynchronous GRPO").
-                self.stream = torch.cuda.Stream(device, priority=-1)
+                self.stream = torch.cuda.Stream(device)
                 compat.run_engine_on(self.generator.engine, self.stream)
             # A thread's current CUDA device starts at 0: the worker's is this rank's.
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="generator",
