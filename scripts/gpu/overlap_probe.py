@@ -8,8 +8,8 @@ Two loops stand in for the two threads of a colocated run with generator.overlap
   waits for its sampled tokens);
 - train: bf16 matrix multiplies of a training step's size, launched back to back (compute-bound).
 Each runs alone, then both at once in two threads on two streams, the decode's stream at the default priority,
-then at the highest (ColocatedGenerator's), then so with the training loop as CUDA graph replays (few launches:
-what is left of the slowdown is the GPU's, not the interpreter's). Printed and written (DIR/overlap_probe.json): each loop's seconds, the
+then at the highest, then so with the training loop as CUDA graph replays (few launches: what is left of the
+slowdown is the GPU's, not the interpreter's). Printed and written (DIR/overlap_probe.json): each loop's seconds, the
 decode's slowdown beside training, and the pair's wall against the two run in turn (below 1: they overlapped).
 """
 
