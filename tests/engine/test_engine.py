@@ -134,6 +134,10 @@ def test_an_engine_step_in_another_thread_waits_out_a_compile(unsynced):
 
     torch.compile(lambda x: x * 2, backend=backend)(torch.ones(3))
     assert held == [True]
+    if unsynced.weight_version is None:  # run alone (-k): the tests before it synced this engine
+        model = trainer_model(seed=1)
+        WeightSync(WeightSyncConfig(), reference=native_state(model), generator=unsynced).sync(native_state(model),
+                                                                                                version=0)
     unsynced.step_lock = compat.compile_lock()
     worker = ThreadPoolExecutor(1)
     try:
@@ -145,6 +149,26 @@ def test_an_engine_step_in_another_thread_waits_out_a_compile(unsynced):
     finally:
         unsynced.step_lock = contextlib.nullcontext()
         worker.shutdown()
+
+
+@pytest.mark.slow  # an engine of its own: the interrupted generate leaves its requests in it
+def test_a_generate_in_another_thread_stops_at_its_next_step_when_the_engine_closes(tmp_path):
+    # ColocatedGenerator.close with generator.overlap_training: the worker's generate ends at once, not after its
+    # samples (minutes on the long tail), then the engine shuts down.
+    engine = make_generator(tmp_path)
+    model = trainer_model(seed=1)
+    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=engine).sync(native_state(model),
+                                                                                          version=0)
+    engine.step_lock = threading.Lock()
+    worker = ThreadPoolExecutor(1)
+    with engine.step_lock:  # the generate waits at its first step
+        running = worker.submit(engine.generate, PROMPTS, n=4, seed=5)
+        time.sleep(0.5)
+        engine.interrupt()
+    with pytest.raises(RuntimeError, match="generator: closed while a generate ran"):
+        running.result(timeout=60)
+    worker.shutdown()
+    engine.close()
 
 
 def test_rollouts_report_engine_time_and_the_idle_time_before_them(unsynced):
