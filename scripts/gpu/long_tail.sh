@@ -88,7 +88,7 @@ launch() {
   case $layout in a|e|trainer|trainer16k|math) ngpus=1 ;; b|d) ngpus=2 ;; *) echo "unknown row $row"; return 2 ;; esac
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
-  [ "$layout" = math ] && mode=$size
+  [ "$layout" = math ] && mode=${row#math-}  # math-MODE: no size
   case $mode in *-batched) mode=${mode%-batched}; args+=(--generator.seeded_noise batched) ;; esac
   case $layout-$mode in [abde]-off|[abde]-on|[abde]-fp8|[abde]-onfp8|d-stream|math-off|math-on|trainer*-) ;;
     *) echo "row $row: unknown mode '$mode' for layout $layout"; return 2 ;; esac
