@@ -3,7 +3,7 @@
 torchrun runs simple_grpo as a user does: 2 gloo ranks on CPU, each an FSDP
 trainer shard and a vLLM engine of its own, each generating half of every
 batch. One 40-step run (a checkpoint after step 38) and its resume serve
-the tests; a launch is ~15 s on 2 CPU cores plus ~1 s a step.
+the tests; a launch is ~15 s on 2 CPU cores plus ~1 s a step. Two 3-step runs check generator.overlap_training.
 """
 
 import gc
@@ -121,3 +121,15 @@ def test_every_rank_cuts_its_block_of_a_partial_request_and_resumes_bit_for_bit(
     resumed = _records(tmp_path)[3:]
     assert [r["step"] for r in resumed] == [3]
     assert not_timings(resumed[0]) == not_timings(first[3])
+
+
+@pytest.mark.slow
+def test_every_rank_generates_beside_training_and_trains_the_same_run(tmp_path):
+    # generator.overlap_training on 2 ranks: each rank's engine generates its block of request k + 1 in its own
+    # thread while step k trains; the all-gather of the blocks runs on the loop's thread. The same run, bit for bit.
+    ahead = ["--trainer.steps", "3", "--grpo.max_staleness", "1", "--grpo.importance_correction", "truncate"]
+    _torchrun(tmp_path / "in_turn", *ahead)
+    _torchrun(tmp_path / "beside", *ahead, "--generator.overlap_training", "true")
+    in_turn, beside = _records(tmp_path / "in_turn"), _records(tmp_path / "beside")
+    assert [r["weight_version"] for r in beside] == [0, 0, 1]
+    assert [not_timings(r) for r in beside] == [not_timings(r) for r in in_turn]
