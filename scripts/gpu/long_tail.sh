@@ -122,8 +122,8 @@ launch() {
       local over=()
       [ "$layout" = trainer16k ] && over=(--generator.sampling.max_tokens 16384 --generator.max_model_len 16640
                                           --model.max_seq_len 16640 --grpo.prompts_per_step 8)
-      CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 scripts/bench_trainer.py --config "$(config_of "$size")" \
-        $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write \
+      CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 scripts/bench_trainer.py \
+        --config "$(config_of "$size")" $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write \
         --variants "${TRAINER_VARIANTS[@]}" --json "$R/long_tail_${layout}_$size.json" "${over[@]}" \
         > "$work/$row.log" 2>&1 & ;;
     math)
@@ -154,7 +154,8 @@ report() {  # ROW RC GROUP
   from=$(cd scripts/gpu && python3 -c "import long_tail_table as t; print(t.warmup('$layout', '$mode'))")
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window "$from" "$STEPS" \
-    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "on_e_args=$ON_E_ARGS" "stream_d_args=$STREAM_D_ARGS" "steps=$STEPS" "gpu=$gpu_name" \
+    --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "on_e_args=$ON_E_ARGS" "stream_d_args=$STREAM_D_ARGS" \
+            "steps=$STEPS" "gpu=$gpu_name" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
 

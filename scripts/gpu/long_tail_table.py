@@ -63,8 +63,9 @@ MODES = tuple(mode + noise for mode in ("off", "on", "fp8", "onfp8", "stream") f
 OPTIONAL = tuple(mode for mode in MODES if mode not in ("off", "on"))
 """Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates; batched noise): in the table
 when run, never listed as missing."""
-TARGETS = ("Targets (issue 39): tail share <= 10% with partial rollouts on; one GPU (the better of a-on and the e rows) >= 1.4x a-off; two GPUs "
-           "(the better of b-on, d-on) >= 2.0x b-off; math: held-out accuracy at step 100 within 2 standard errors.")
+TARGETS = ("Targets (issue 39): tail share <= 10% with partial rollouts on; one GPU (the better of a-on and the e "
+           "rows) >= 1.4x a-off; two GPUs (the better of b-on, d-on) >= 2.0x b-off; math: held-out accuracy at step "
+           "100 within 2 standard errors.")
 
 
 def steps(path: Path) -> list[dict]:

@@ -95,9 +95,10 @@ def main() -> None:
     args = parser.parse_args()
     dev = torch.device("cuda")
     bf16 = dict(device=dev, dtype=torch.bfloat16)
+    kv_shape = (BATCH, KV_HEADS, CONTEXT, HEAD_DIM)
     tensors = {
-        "qkv": (torch.randn(BATCH, KV_HEADS, 1, HEAD_DIM, **bf16), torch.randn(BATCH, KV_HEADS, CONTEXT, HEAD_DIM, **bf16),
-                torch.randn(BATCH, KV_HEADS, CONTEXT, HEAD_DIM, **bf16)),
+        "qkv": (torch.randn(BATCH, KV_HEADS, 1, HEAD_DIM, **bf16), torch.randn(kv_shape, **bf16),
+                torch.randn(kv_shape, **bf16)),
         "ab": (torch.randn(GEMM, GEMM, **bf16), torch.randn(GEMM, GEMM, **bf16)),
     }
     stream = torch.cuda.Stream()
