@@ -4,9 +4,11 @@ estimate's terms; one JSON line per spec.
 
 Measured with torch.profiler's memory events (every allocation and free of torch's CPU allocator, in order):
 the live bytes a step added at its peak, independent of the C library's heap (no RSS), so the same on any CPU.
-A spec: flavor, rows, length, and TrainerConfig fields (activation_checkpoint, logprob_chunk_tokens, ...).
+A spec: flavor, rows, length, optionally ``shape`` (ModelShape fields that replace the flavor's), and TrainerConfig
+fields (activation_checkpoint, logprob_chunk_tokens, ...).
 """
 
+import dataclasses
 import gc
 import json
 import sys
@@ -38,8 +40,8 @@ def allocated_at_peak(fn) -> int:
 def measure(spec: dict) -> dict:
     fields = dict(spec)
     flavor, rows, length = fields.pop("flavor"), fields.pop("rows"), fields.pop("length")
-    shape = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny" else 0,
-                          max_seq_len=max(64, length))
+    shape = dataclasses.replace(resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny"
+                                              else 0, max_seq_len=max(64, length)), **fields.pop("shape", {}))
     cfg = JobConfig(model=ModelConfig(flavor=flavor, max_seq_len=max(64, length)),
                     trainer=TrainerConfig(**fields), generator=GeneratorConfig(max_model_len=length),
                     grpo=GRPOConfig(prompts_per_step=rows // 2, group_size=2))
