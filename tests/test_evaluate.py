@@ -107,6 +107,7 @@ def test_smollm2_scores_the_same_in_the_loop_before_step_0_and_in_the_evaluator(
     assert report["metrics"]["eval_accuracy/easy"] == before["eval_accuracy/easy"] > 0  # it solves some
 
 
+@pytest.mark.slow  # a whole process's imports and start-up: 6-8 s, out of the quick loop
 def test_evaluator_refuses_a_set_without_the_answer_field_in_one_line(tmp_path, smollm2_dir):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "What is 1 + 1?", "solution": "2"}\n')
@@ -116,6 +117,7 @@ def test_evaluator_refuses_a_set_without_the_answer_field_in_one_line(tmp_path, 
                           prefix="torchtitan_rl: error: ")
 
 
+@pytest.mark.slow  # a whole process's imports and start-up: 6-8 s, out of the quick loop
 def test_evaluator_refuses_a_folder_without_weights_in_one_line(tmp_path, smollm2_dir):
     """config.json and the tokenizer but no *.safetensors: the trainer's own check (models/hf_folder.py), one
     line and exit 2 (before: vLLM's "Cannot find any model weights" in an 81-line traceback, exit 1)."""

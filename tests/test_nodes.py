@@ -284,6 +284,7 @@ def _alone(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+@pytest.mark.slow  # torchrun's join timeout of 3 s in a whole process: ~7 s, out of the quick loop
 def test_a_machine_that_never_comes_ends_the_rendezvous_in_one_line(tmp_path):
     proc = _alone(tmp_path, free_port(), "--rdzv-conf", "join_timeout=3")
     _, stderr = proc.communicate(timeout=300)

@@ -229,6 +229,7 @@ def test_resume_refuses_queued_rollouts_older_than_the_staleness_bound():
         check_queued(cfg, queued)
 
 
+@pytest.mark.slow  # three steps of a whole run: ~16 s on an AVX2-only CPU, out of the quick loop
 def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
     cfg = _config(tmp_path, steps=3)
     cfg.batch_invariant_mode = True

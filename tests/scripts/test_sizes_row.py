@@ -47,6 +47,7 @@ def test_a_finished_run_gives_step_medians_memory_peaks_and_mfu(tmp_path):
     assert 0 < got["trainer_mfu"] < 1e-3  # a CPU against an H100's peak
 
 
+@pytest.mark.slow  # a whole process's imports and start-up: 6-8 s, out of the quick loop
 def test_a_refused_run_gives_its_one_line(tmp_path):
     out_dir = tmp_path / "out"
     proc = run_module("torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml", "--model.flavor", "8B",

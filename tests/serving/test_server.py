@@ -847,6 +847,7 @@ def test_grpo_loop_learns_through_the_server(server):
     assert first < 0.15 and last > 0.3 and last > first + 0.2, (first, last)
 
 
+@pytest.mark.slow  # five steps of a whole run: ~8 s, out of the quick loop
 def test_asynchronous_loop_through_the_server_samples_each_batch_one_version_behind(server):
     from torchtitan_rl import simple_grpo
 
@@ -996,6 +997,7 @@ def test_a_server_beyond_loopback_over_plain_http_says_so_at_start_in_one_line(t
                                        "serve.ssl_certfile and serve.ssl_keyfile"), said
 
 
+@pytest.mark.slow  # a whole process's imports and start-up: 6-8 s, out of the quick loop
 def test_a_gloo_socket_ifname_off_the_serve_host_is_one_line_and_exit_2(tmp_path, monkeypatch):
     """GLOO_SOCKET_IFNAME naming another interface than serve.host's would put vLLM's and the sync's gloo
     listeners there (before: 13 listeners on it while serve.host was 127.0.0.1): refused before the engine."""

@@ -16,7 +16,7 @@ from .dp_worker import SPLITS
 from .helpers import make_batch
 
 REPO = Path(__file__).resolve().parents[2]
-
+pytestmark = pytest.mark.slow  # one torchrun world of two trainers for all of them: ~20 s, out of the quick loop
 
 
 @pytest.fixture(scope="module")
