@@ -40,8 +40,9 @@ def allocated_at_peak(fn) -> int:
 def measure(spec: dict) -> dict:
     fields = dict(spec)
     flavor, rows, length = fields.pop("flavor"), fields.pop("rows"), fields.pop("length")
-    shape = dataclasses.replace(resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny"
-                                              else 0, max_seq_len=max(64, length)), **fields.pop("shape", {}))
+    base = resolve_shape(flavor=flavor, hf_checkpoint=None, vocab_size=16 if flavor == "tiny" else 0,
+                         max_seq_len=max(64, length))
+    shape = dataclasses.replace(base, **fields.pop("shape", {}))
     cfg = JobConfig(model=ModelConfig(flavor=flavor, max_seq_len=max(64, length)),
                     trainer=TrainerConfig(**fields), generator=GeneratorConfig(max_model_len=length),
                     grpo=GRPOConfig(prompts_per_step=rows // 2, group_size=2))

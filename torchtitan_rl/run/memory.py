@@ -37,7 +37,7 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 BACKWARD_PEAK = 1.2
 """A block's backward (recomputed under activation checkpointing) holds its saved activations and the gradients
 of its intermediates at once: up to this many times its saved bytes per token (1.1 measured on CPU for torchtitan's
-debugmodel's blocks: tests/trainer/test_memory_estimate.py)."""
+debugmodel; tests/trainer/test_memory_estimate.py checks the bound)."""
 LOGITS_BYTES = {False: 24, True: 8}
 """Bytes per logit of one logprob chunk at its backward's peak (trainer/logprobs.py): eager keeps bf16 logits, their
 float32 copies, softmax and its gradient at once (an upper bound on CPU); torch.compile (trainer.compile, on GPUs)
