@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_rl.config import GeneratorConfig, ModelConfig
+from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.shape import ModelShape, build_titan_model
 from torchtitan_rl.run.metrics import is_timing
+from torchtitan_rl.weight_sync.sync import WeightSync
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DATASET = REPO / "torchtitan_rl" / "grpo" / "tasks" / "data" / "gsm8k_style_sample.jsonl"
@@ -115,6 +116,13 @@ def make_generator(workdir: Path, *, flavor: str = "tiny", **overrides):
 
 def trainer_model(seed: int) -> torch.nn.Module:
     return build_titan_model(tiny_shape(), seed=seed)
+
+
+def sync_model(generator, model: torch.nn.Module, *, version: int) -> None:
+    """One sync (the default WeightSyncConfig) of ``model``'s weights into ``generator``, which then serves
+    ``version``."""
+    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=generator).sync(native_state(model),
+                                                                                              version=version)
 
 
 @torch.no_grad()

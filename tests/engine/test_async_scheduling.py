@@ -2,11 +2,9 @@
 
 import pytest
 
-from tests.helpers import PROMPTS, make_generator, native_state, trainer_model
+from tests.helpers import PROMPTS, make_generator, sync_model, trainer_model
 from torchtitan_rl import compat
-from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.engine.engine import sample_seed, sampling_params
-from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +14,7 @@ def engines(tmp_path_factory):
     gens = {}
     for on in (True, False):
         gen = make_generator(tmp_path_factory.mktemp(f"async_{on}"), async_scheduling=on)
-        WeightSync(WeightSyncConfig(), reference=native_state(model), generator=gen).sync(native_state(model), version=1)
+        sync_model(gen, model, version=1)
         gens[on] = gen
     return gens
 

@@ -16,6 +16,7 @@ from tests.helpers import (
     logprob_check,
     make_generator,
     native_state,
+    sync_model,
     tiny_shape,
     trainer_model,
 )
@@ -136,8 +137,7 @@ def test_an_engine_step_in_another_thread_waits_out_a_compile(unsynced):
     assert held == [True]
     if unsynced.weight_version is None:  # run alone (-k): the tests before it synced this engine
         model = trainer_model(seed=1)
-        WeightSync(WeightSyncConfig(), reference=native_state(model), generator=unsynced).sync(native_state(model),
-                                                                                                version=0)
+        sync_model(unsynced, model, version=0)
     unsynced.step_lock = compat.compile_lock()
     worker = ThreadPoolExecutor(1)
     try:
@@ -157,8 +157,7 @@ def test_a_generate_in_another_thread_stops_at_its_next_step_when_the_engine_clo
     # samples (minutes on the long tail), then the engine shuts down.
     engine = make_generator(tmp_path)
     model = trainer_model(seed=1)
-    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=engine).sync(native_state(model),
-                                                                                          version=0)
+    sync_model(engine, model, version=0)
     engine.step_lock = threading.Lock()
     worker = ThreadPoolExecutor(1)
     with engine.step_lock:  # the generate waits at its first step
@@ -197,7 +196,7 @@ def test_an_engine_built_after_its_process_group_was_destroyed_builds_its_own_gr
     dist.destroy_process_group()
     second = make_generator(tmp_path / "b")
     model = trainer_model(seed=5)
-    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=second).sync(native_state(model), version=1)
+    sync_model(second, model, version=1)
     assert_serves(second.generate(PROMPTS, n=1, seed=0), model)
     del first
 
@@ -211,7 +210,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_serves_the_synced_weights(un
     gen = make_generator(tmp_path, kv_cache_dtype="fp8", wait_for_weights_s=0.0)
     assert gen.kv_cache_tokens == 2 * unsynced.kv_cache_tokens, (gen.kv_cache_tokens, unsynced.kv_cache_tokens)
     model, other = trainer_model(seed=5), trainer_model(seed=6)
-    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=gen).sync(native_state(model), version=1)
+    sync_model(gen, model, version=1)
     rollouts = gen.generate(PROMPTS, n=4, seed=0)
     check, miss = logprob_check(rollouts, model), logprob_check(rollouts, other).error
     assert check.error < miss / 4, (check, miss)

@@ -4,15 +4,14 @@ import tempfile
 
 import pytest
 
-from tests.helpers import PROMPTS, native_state
+from tests.helpers import PROMPTS, sync_model
 from torchtitan_rl import compat
-from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, ModelConfig, SamplingConfig, WeightSyncConfig
+from torchtitan_rl.config import GeneratorConfig, HarnessLengthsConfig, ModelConfig, SamplingConfig
 from torchtitan_rl.engine.engine import Engine
 from torchtitan_rl.engine.lengths import response_length
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.shape import build_titan_model
 from torchtitan_rl.rollout.base import Rollouts, prompt_blocks
-from torchtitan_rl.weight_sync.sync import WeightSync
 
 TAIL = HarnessLengthsConfig(distribution="lognormal", median=6, p90=24)
 SAMPLING = SamplingConfig(max_tokens=48)
@@ -25,7 +24,7 @@ def engine():
     config = GeneratorConfig(max_model_len=512, max_num_seqs=16, kv_cache_memory_gb=2048 * 512 / (1 << 30))
     e = Engine(config, model_config=ModelConfig(), shape=shape, seed=0, device="cpu", workdir=tempfile.mkdtemp())
     model = build_titan_model(shape, seed=1)
-    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=e).sync(native_state(model), version=1)
+    sync_model(e, model, version=1)
     yield e
     e.close()
 

@@ -2,12 +2,10 @@
 
 import torch
 
-from tests.helpers import PROMPTS, make_generator, native_state, trainer_model
+from tests.helpers import PROMPTS, make_generator, sync_model, trainer_model
 from torchtitan_rl import compat
-from torchtitan_rl.config import WeightSyncConfig
 from torchtitan_rl.engine.engine import sample_seed, sampling_params
 from torchtitan_rl.serving.engine_loop import EngineLoop
-from torchtitan_rl.weight_sync.sync import WeightSync
 
 
 def test_begin_sync_returns_with_no_iteration_in_flight(tmp_path):
@@ -24,7 +22,7 @@ def test_begin_sync_returns_with_no_iteration_in_flight(tmp_path):
 def _begin_sync_drains(tmp_path):
     gen = make_generator(tmp_path, async_scheduling=True)
     model = trainer_model(seed=1)
-    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=gen).sync(native_state(model), version=1)
+    sync_model(gen, model, version=1)
     loop = EngineLoop(gen, sync_wait_s=30.0)
     try:
         params = [sampling_params(gen.config.sampling, stop_token_ids=[3, 7], seed=sample_seed(5, i, 0))

@@ -32,10 +32,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import PROMPTS, REPO, assert_serves, free_port, make_generator, native_state, trainer_model
-from torchtitan_rl.config import SamplingConfig, WeightSyncConfig, load_toml
+from tests.helpers import (
+    PROMPTS, REPO, assert_serves, free_port, make_generator, native_state, sync_model, trainer_model,
+)
+from torchtitan_rl.config import SamplingConfig, load_toml
 from torchtitan_rl.serving.signed_store import session_namespace
-from torchtitan_rl.weight_sync.sync import WeightSync
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 TOKEN = "test-secret"
@@ -235,8 +236,7 @@ def test_completions_equal_the_in_process_generators(server, tmp_path):
 
     local = make_generator(tmp_path)
     try:
-        WeightSync(WeightSyncConfig(), reference=native_state(model), generator=local).sync(
-            native_state(model), version=7)
+        sync_model(local, model, version=7)
         expected = local.generate(PROMPTS, n=2, sampling=sampling, stop_token_ids=[EOS], seed=11)
     finally:
         local.close()

@@ -13,14 +13,13 @@ import random
 
 import pytest
 
-from tests.helpers import BF16_MISMATCH_MEAN, make_generator, native_state, reference_logprobs, trainer_model
-from torchtitan_rl.config import EvalConfig, SamplingConfig, TaskConfig, WeightSyncConfig
+from tests.helpers import BF16_MISMATCH_MEAN, make_generator, reference_logprobs, sync_model, trainer_model
+from torchtitan_rl.config import EvalConfig, SamplingConfig, TaskConfig
 from torchtitan_rl.grpo.batch import pack_rollouts
 from torchtitan_rl.grpo.evaluate import Evaluator
 from torchtitan_rl.grpo.tasks.calculator import CalculatorTask, calculate, find_call
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 from torchtitan_rl.grpo.tasks.episodes import ToolTask, _Episode
-from torchtitan_rl.weight_sync.sync import WeightSync
 
 MAX_TOTAL = 24
 CALLS, EQ = {4, 5, 6, 7, 8}, 14
@@ -41,8 +40,7 @@ def engine(tmp_path_factory):
     """The tiny model and a generator serving its weights (version 4)."""
     model = trainer_model(seed=0)
     generator = make_generator(tmp_path_factory.mktemp("gen"))
-    WeightSync(WeightSyncConfig(), reference=native_state(model), generator=generator).sync(
-        native_state(model), version=4)
+    sync_model(generator, model, version=4)
     yield model, generator
     generator.close()
 
