@@ -39,13 +39,13 @@
 # rehearsal of the script). LONG_TAIL_STEPS (default 3) steps per run; each run is cut at LONG_TAIL_TIMEOUT_S
 # (default 540: a device call is at most 600 s; killed 20 s after, as a cut run once outlived its call's
 # timeout_s 30 s later and the call brought nothing back: give timeout_s 60 s more) and keeps the steps it logged;
-# the table counts steps from 1 on
-# (step 0 compiles; 2 on for d and e rows with partial rollouts: their first two requests carry no group and each
-# generates a whole over-sampled pool). A row longer than one call: LONG_TAIL_CHECKPOINT=N saves every N steps
-# (keep 1), and the next call on the same warm machine with LONG_TAIL_RESUME=1 (the same settings, but
-# LONG_TAIL_CHECKPOINT=0: in layout d a checkpoint waits for the request in flight, ~130 s at 0.6B) resumes
-# each a/b/d row from its last checkpoint (/tmp/long_tail), its metrics.jsonl continuing (every step once); a row
-# with no run to resume starts one, so a call can resume one row and start another on the GPUs left.
+# the table counts steps from 1 on (step 0 compiles; 2 on for d and e rows with partial rollouts: their first two
+# requests carry no group and each generates a whole over-sampled pool). A row longer than one call:
+# LONG_TAIL_CHECKPOINT=N saves every N steps (keep 1), and the next call on the same warm machine with
+# LONG_TAIL_RESUME=1 (the same settings, but LONG_TAIL_CHECKPOINT=0: in layout d a checkpoint waits for the request
+# in flight, ~130 s at 0.6B) resumes each a/b/d/e row from its last checkpoint (/tmp/long_tail), its metrics.jsonl
+# continuing (every step once); a row with no run to resume starts one, so a call can resume one row and start
+# another on the GPUs left.
 # Writes, under $OUT/r/ and packed into $OUT/long_tail.tgz (a call brings back 8 files at most):
 # long_tail_<row>.jsonl (the run's metrics.jsonl), long_tail_trainer*_<size>.json, long_tail_summary_<time>.jsonl
 # (one scripts/gpu/summarize_run.py line per run, with nvidia-smi's peak memory) and the last lines of a failed row's
