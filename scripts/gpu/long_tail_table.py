@@ -28,6 +28,8 @@ few sequences run: far below the rest, the step's fixed costs or a kernel the sm
 (partial rollouts): the share of the generate that ran after the groups the step needs had finished, for groups due
 to finish (grpo.partial.max_token_age) or the token budget (gen_after_need_s); rows logged before the metric show
 the tail share alone.
+A row with partial rollouts whose settings differ from scripts/gpu/partial_args.sh's (LONG_TAIL_ON_ARGS, as its
+summary records them) names the differences after it, e.g. "a-0.6B-onfp8 (over_sample 128)".
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a and e; b-off for b
 and d), as today's default runs it (a -batched row's speed-up includes the noise's). Missing rows are listed as such,
 so a partial run still gives its part of the table.
@@ -37,6 +39,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -63,6 +66,8 @@ MODES = tuple(mode + noise for mode in ("off", "on", "fp8", "onfp8", "stream") f
 OPTIONAL = tuple(mode for mode in MODES if mode not in ("off", "on"))
 """Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates; batched noise): in the table
 when run, never listed as missing."""
+PARTIAL_ARGS_SH = Path(__file__).with_name("partial_args.sh")
+"""Where long_tail.sh's default LONG_TAIL_ON_ARGS are written (PARTIAL_ON_ARGS)."""
 TARGETS = ("Targets (issue 39): tail share <= 10% with partial rollouts on; one GPU (the better of a-on and the e "
            "rows) >= 1.4x a-off; two GPUs (the better of b-on, d-on) >= 2.0x b-off; math: held-out accuracy at step "
            "100 within 2 standard errors.")
@@ -122,15 +127,47 @@ def gpu_of(results: Path) -> str:
     return ""
 
 
+def flag_values(args: str) -> dict[str, str]:
+    """The '--key value' pairs of a row's overrides."""
+    words = args.split()
+    return dict(zip(words[::2], words[1::2]))
+
+
+def on_args_of(results: Path) -> dict[str, str]:
+    """Row name -> the LONG_TAIL_ON_ARGS its summary records (a row run twice in a lease: its last call's)."""
+    got = {}
+    for path in sorted(results.glob("long_tail_summary_*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip() and "on_args" in (summary := json.loads(line)):
+                got[summary["layout"]] = summary["on_args"]
+    return got
+
+
+def settings_note(on_args: str | None) -> str:
+    """Where a row's partial-rollout settings differ from partial_args.sh's, those settings: " (over_sample 128)"."""
+    if on_args is None:
+        return ""
+    text = PARTIAL_ARGS_SH.read_text().replace("\\\n", "")  # the shell's line continuation inside the quotes
+    default = flag_values(re.search(r'PARTIAL_ON_ARGS="([^"]*)"', text).group(1))
+    changed = [f"{key.removeprefix('--').removeprefix('grpo.partial.')} {value}"
+               for key, value in flag_values(on_args).items() if default.get(key) != value]
+    return f" ({', '.join(changed)})" if changed else ""
+
+
 def tail_numbers(results: Path) -> dict:
-    """(layout, size, mode) -> the row's numbers (row_numbers), None where the folder has no such row."""
-    numbers = {}
+    """(layout, size, mode) -> the row's numbers (row_numbers) and the settings note of a row with partial rollouts
+    (settings_note), None where the folder has no such row."""
+    numbers, on_args = {}, on_args_of(results)
     for layout in LAYOUTS:
         for size in SIZES:
             for mode in MODES:
-                path = results / f"long_tail_{layout}-{size}-{mode}.jsonl"
-                numbers[layout, size, mode] = (row_numbers(steps(path), skip=warmup(layout, mode))
-                                               if path.is_file() else None)
+                row = f"{layout}-{size}-{mode}"
+                path = results / f"long_tail_{row}.jsonl"
+                n = row_numbers(steps(path), skip=warmup(layout, mode)) if path.is_file() else None
+                if n is not None:
+                    partial = mode.removesuffix("-batched") in PARTIAL
+                    n["settings"] = settings_note(on_args.get(row)) if partial else ""
+                numbers[layout, size, mode] = n
     return numbers
 
 
@@ -149,7 +186,7 @@ def tail_table(numbers: dict) -> str:
                     continue
                 base = numbers[BASELINE[layout], size, "off"]
                 speedup = f"{n['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
-                rows.append([name, where, n["steps"], f"{n['step_s']:.1f}", f"{n['generate_s']:.1f}",
+                rows.append([name + n["settings"], where, n["steps"], f"{n['step_s']:.1f}", f"{n['generate_s']:.1f}",
                              f"{n['train_s']:.1f}", f"{n['tokens_per_s']:,.0f}", f"{n['generated']:.2f}", speedup,
                              f"{100 * n['tail_share']:.0f}%" + ("" if n["after_need"] is None else
                                                                 f" ({100 * n['after_need']:.0f}%)"),

@@ -1,6 +1,7 @@
 """scripts/gpu/long_tail_table.py's parsing on real run folders written by the loop on CPU: a harness run with
 drawn lengths stands for the long-tail rows, a math run with held-out evaluations for the SmolLM2 pair."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,13 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
             shutil.copy(runs / "tail" / "latest" / "metrics.jsonl", lease / f"long_tail_{row}.jsonl")
     for mode in ("off", "on"):
         shutil.copy(runs / "math" / "latest" / "metrics.jsonl", first / f"long_tail_math_{mode}.jsonl")
+    # the partial-rollout settings long_tail.sh's summaries record: the default as bash reads partial_args.sh, and
+    # one row that ran with more over-sampling
+    default = subprocess.run(["bash", "-c", "source scripts/gpu/partial_args.sh && echo $PARTIAL_ON_ARGS"],
+                             capture_output=True, text=True, cwd=REPO, check=True).stdout.strip()
+    summaries = [{"layout": "a-0.6B-on", "on_args": default},
+                 {"layout": "a-0.6B-onfp8", "on_args": default.replace("over_sample 64", "over_sample 128")}]
+    (first / "long_tail_summary_1.jsonl").write_text("".join(json.dumps(s) + "\n" for s in summaries))
     return results
 
 
@@ -54,8 +62,8 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert "**lease1** (CPU)" in first
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in first.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
-    # fp8, stream and batched-noise rows: shown when run
-    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream",
+    # fp8, stream and batched-noise rows: shown when run; a row's settings apart from partial_args.sh's: named
+    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8 (over_sample 128)", "d-0.6B-stream",
                          "a-0.6B-onfp8-batched", "d-0.6B-stream-batched"}
     # a lease compares its rows with its own baseline only: lease2 ran no a-off
     fp8 = next(line for line in second.splitlines() if line.startswith("| a-0.6B-fp8 |"))
