@@ -61,8 +61,8 @@ def test_the_oldest_finished_groups_train_and_the_rest_wait_with_their_tokens():
     assert [p.target for p in prompts] == [11, 12]
     assert batch.completion_ids == [[2] * 3, [3] * 3, [4] * 3, [5] * 3] and batch.finished is None
     assert batch.generated == 18 and batch.versions == [[0] * 3] * 4
-    assert buffer.stats == {"partial_carried_samples": 1.0, "partial_carried_groups": 1.0,
-                            "partial_dropped_samples": 0.0, "partial_due_groups": 0.0}
+    assert buffer.stats == {"partial_carried_samples": 1.0, "partial_carried_tokens": 5.0,  # prompt 2 + 3 cut
+                            "partial_carried_groups": 1.0, "partial_dropped_samples": 0.0, "partial_due_groups": 0.0}
     # Next request: group 0 first (carried, its finished sample kept as is), then two new groups.
     assert buffer.new_groups_wanted() == 2
     pool, ask = buffer.request(1, _prompts(13, 14), seed=0)

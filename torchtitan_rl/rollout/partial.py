@@ -114,8 +114,11 @@ class UnfinishedBuffer:
         batch.idle_s = rollouts.idle_s
         batch.trace = rollouts.trace
         batch.generated = sum(map(len, rollouts.completion_ids)) - before
+        cut = [(g.so_far, b) for g in kept for b, f in enumerate(g.so_far.finished) if f is False]
         self.stats = {
-            "partial_carried_samples": float(sum(f is False for g in kept for f in g.so_far.finished)),
+            "partial_carried_samples": float(len(cut)),
+            # what the next generate prefills again to continue them (their old K/V are the old weights')
+            "partial_carried_tokens": float(sum(len(r.prompt_ids[b]) + len(r.completion_ids[b]) for r, b in cut)),
             "partial_carried_groups": float(len(kept)),
             "partial_dropped_samples": float(dropped),
             "partial_due_groups": float(sum(pool.request.due)),
