@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from torchtitan_rl.run.metrics import is_timing
+from torchtitan_rl.run.metrics import is_measured
 
 CONFIG = "run_configs/cpu_tiny.toml"
 TOKEN = "check-same-metrics-token"
@@ -32,7 +32,7 @@ TOKEN = "check-same-metrics-token"
 
 def metrics(run_dir: Path) -> list[dict]:
     lines = (run_dir / "latest" / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not is_timing(k)} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not is_measured(k)} for line in lines]
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import torch
 from torchtitan_rl.config import GeneratorConfig, ModelConfig, WeightSyncConfig
 from torchtitan_rl.models.families import resolve_shape
 from torchtitan_rl.models.shape import ModelShape, build_titan_model
-from torchtitan_rl.run.metrics import is_timing
+from torchtitan_rl.run.metrics import is_measured
 from torchtitan_rl.weight_sync.sync import WeightSync
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,9 +55,9 @@ hand: two bf16 evaluations of the same weights, each within NOISE_FACTOR x its m
 optimizer step behind (lr 3e-3) is >= 4e-2 away (test_without_weight_sync_the_run_does_not_learn)."""
 
 
-def not_timings(record: dict) -> dict:
-    """A metrics.jsonl line without what wall time decides (run/metrics.is_timing)."""
-    return {k: v for k, v in record.items() if not is_timing(k)}
+def not_measured(record: dict) -> dict:
+    """A metrics.jsonl line without what the machine decides: timings, memory readings (run/metrics.is_measured)."""
+    return {k: v for k, v in record.items() if not is_measured(k)}
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, not_timings
+from tests.helpers import REPO, not_measured
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 8
@@ -50,7 +50,7 @@ def _kill_when(proc: subprocess.Popen, moment, timeout_s: float = 300) -> None:
 
 def _records(run: Path) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [not_timings(json.loads(line)) for line in lines]
+    return [not_measured(json.loads(line)) for line in lines]
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, not_timings, run_cli
+from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, not_measured, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 from torchtitan_rl.rollout.base import Rollouts
@@ -66,6 +66,9 @@ def test_short_run_learns(tmp_path):
     assert last > 0.3 and last > first + 0.2, (first, last)
     # Trainer and generator score the sampled tokens alike at every step.
     assert max(r["mismatch_mean"] for r in history) < BF16_MISMATCH_MEAN
+    # What each phase held (run/memory_watch.py; on CPU the process's resident memory: torch and vLLM at least).
+    assert all({k for k in r if k.startswith("mem_")} == {"mem_generate_gib", "mem_recompute_gib", "mem_train_gib"}
+               and min(r[k] for k in r if k.startswith("mem_")) > 0.2 for r in history)
 
     # What a user looks at afterwards, in the run's own folder.
     run_dir = tmp_path / "run-1"
@@ -165,7 +168,7 @@ def _partial_config(output_dir: Path, *, steps: int) -> JobConfig:
 
 
 def _not_timings(history: list[dict]) -> list[dict]:
-    return [not_timings(r) for r in history]
+    return [not_measured(r) for r in history]
 
 
 @pytest.mark.slow

@@ -75,7 +75,7 @@ def train(cfg: JobConfig) -> list[dict]:
         from tqdm import tqdm
 
         from torchtitan_rl.config import validate
-        from torchtitan_rl.distributed.process_group import init_process_group
+        from torchtitan_rl.distributed.process_group import init_process_group, local_device
         from torchtitan_rl.distributed.threads import set_host_threads
         from torchtitan_rl.distributed.world import init_world
         from torchtitan_rl.engine.engine import check_sleep
@@ -86,6 +86,7 @@ def train(cfg: JobConfig) -> list[dict]:
         from torchtitan_rl.run.fit import fit_this_rank
         from torchtitan_rl.run.parts import run_device, run_shape, run_task
         from torchtitan_rl.run.memory import one_line_oom
+        from torchtitan_rl.run.memory_watch import PhasePeaks
         from torchtitan_rl.run.metrics import MetricsLogger, StepMetrics
         from torchtitan_rl.rollout.queue import RolloutQueue
         from torchtitan_rl.serving.own_rank import serve
@@ -148,7 +149,7 @@ def train(cfg: JobConfig) -> list[dict]:
         )
 
     rank = dist.get_rank()
-    generator = None
+    generator = memory = None
     try:
         with starting(plan), collector.paused():  # a start that fails names the run folder it leaves
             with one_line_oom("the trainer's build"):
@@ -186,8 +187,10 @@ def train(cfg: JobConfig) -> list[dict]:
             logger.attach_wandb(cfg.metrics.wandb, run_config=redacted_dict(cfg), name=cfg.job.name)
         bar = tqdm(range(start, cfg.trainer.steps), disable=rank != 0, desc=cfg.job.name, dynamic_ncols=True)
         log_s = checkpoint_s = 0.0
+        memory = PhasePeaks(local_device(device))  # what each phase held, beside the estimate printed above
         for step in bar:
             t_step = time.perf_counter()
+            memory.start("generate")
             # 1. sync: the generator serves the trainer's current weights to the requests made from
             #    now on (negative control: only this process's first sync, so it keeps step-0 weights, or a
             #    resumed run the checkpoint's: the engine is new and holds no others).
@@ -205,9 +208,11 @@ def train(cfg: JobConfig) -> list[dict]:
                 logger.log_samples(step, evaluator.samples)
             # 3-5. score, advantages, this rank's rows with pi_old recomputed
             t_build = time.perf_counter()
+            memory.start("recompute")
             batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step), version=step)
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
+            memory.start("train")
             if cfg.generator.sleep != "off":  # the engine's memory goes to the trainer until the next sync
                 generator.sleep()
             with one_line_oom(f"step {step}'s train step"):
@@ -225,7 +230,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 reward_mean=rewards_B.mean().item(), reward_max=rewards_B.max().item(),
                 rollout=batch.rollout_stats, sampling=batch.sampling_stats, train=train,
                 mismatch=batch.mismatch, importance=batch.importance, routing=batch.routing,
-                partial=queue.partial_stats,
+                partial=queue.partial_stats, memory=memory.take(),
                 completion_tokens=completion_tokens + batch.sampling_stats.get("refill_completion_tokens", 0.0),
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,
@@ -259,6 +264,8 @@ def train(cfg: JobConfig) -> list[dict]:
             _print_summary(cfg, logger, start=start, wall_s=time.perf_counter() - started, plot=plot)
         return logger.history[earlier:]  # this call's steps (history holds the whole run)
     finally:
+        if memory is not None:
+            memory.close()
         if generator is not None:
             generator.close()
         if export_dir is not None and rank == 0:

@@ -1,4 +1,5 @@
-"""One JSON line summarising a GPU run: step-time medians from its run folder, peak memory from nvidia-smi samples.
+"""One JSON line summarising a GPU run: step-time medians from its run folder, peak memory from nvidia-smi samples
+and from the loop's own readings by phase (metrics.jsonl's mem_<phase>_gib).
 
 Runs write ``<job.output_dir>/run-N/metrics.jsonl`` and point ``<job.output_dir>/latest`` at the newest run, so
 this reads ``latest/metrics.jsonl`` (or the folder itself when it is a run folder). The layout and size scripts
@@ -51,6 +52,13 @@ def peak_memory_mib(mem_csv: Path | None, gpus: list[int]) -> dict[int, int]:
     return peak
 
 
+def peak_phase_memory(records: list[dict]) -> dict[str, float]:
+    """Phase -> the largest of the loop's readings of its first rank's GPU in that phase (StepMetrics.memory), over
+    every step logged: what to set beside the estimate's phases (its "memory per GPU" line)."""
+    keys = sorted({k for r in records for k in r if k.startswith("mem_") and k.endswith("_gib")})
+    return {k.removeprefix("mem_").removesuffix("_gib"): round(max(r[k] for r in records if k in r), 1) for k in keys}
+
+
 def summarize(output_dir: Path, *, name: str, gpus: list[int], mem_csv: Path | None, rc: int, engines: int,
               window: tuple[int, int], extra: dict) -> dict:
     path = metrics_file(output_dir)
@@ -65,6 +73,7 @@ def summarize(output_dir: Path, *, name: str, gpus: list[int], mem_csv: Path | N
         "tokens_per_s_per_engine": med["gen_tokens_per_s"] / engines if "gen_tokens_per_s" in med else None,
         "engines": engines,
         "peak_gpu_mem_gib": {gpu: round(mib / 1024, 1) for gpu, mib in peak_memory_mib(mem_csv, gpus).items()},
+        "peak_phase_mem_gib": peak_phase_memory(records),
         "reward_first_last": [records[0]["reward_mean"], records[-1]["reward_mean"]] if records else None,
         **extra,
     }

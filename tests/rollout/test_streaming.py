@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, not_timings
+from tests.helpers import free_port, not_measured
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
@@ -43,7 +43,7 @@ def _torchrun(nproc: int, output_dir: Path, overrides: dict) -> list[dict]:
 
 
 def _same(record: dict) -> dict:
-    return {k: v for k, v in not_timings(record).items() if not k.startswith("stream_")}
+    return {k: v for k, v in not_measured(record).items() if not k.startswith("stream_")}
 
 
 @pytest.mark.slow

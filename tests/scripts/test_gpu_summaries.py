@@ -48,6 +48,8 @@ def test_summary_reads_the_newest_run_through_latest(output_dir, tmp_path):
     assert all(v >= 0 for v in medians.values()) and medians["step_s"] > 0
     assert line["tokens_per_s_per_engine"] == pytest.approx(medians["gen_tokens_per_s"] / 2)
     assert line["peak_gpu_mem_gib"] == {"0": round(3000 / 1024, 1), "1": round(2000 / 1024, 1)}
+    assert set(line["peak_phase_mem_gib"]) == {"generate", "recompute", "train"}  # the loop's readings, by phase
+    assert all(v > 0 for v in line["peak_phase_mem_gib"].values())
     assert line["steps"] == "4" and "problem" not in line
 
 

@@ -31,6 +31,11 @@ class StepMetrics:
     and the trainer's recompute), routing_mismatch_layers, routing_tokens; {} for a dense model."""
     partial: dict[str, float]
     """grpo.partial's carried and dropped samples; {} when off."""
+    memory: dict[str, float]
+    """What this rank's device held at most in each phase of the step (run/memory_watch.py: the GPU's used bytes as
+    nvidia-smi counts them, on CPU the process's resident memory), in GiB: mem_generate_gib (sync, generate,
+    held-out evaluation), mem_recompute_gib (the batch's build: scoring and the pi_old recompute), mem_train_gib;
+    against the estimate's phases, printed at the start ("memory per GPU (estimate)")."""
     completion_tokens: float
     """Generated this step, dynamic sampling's refills included."""
     weight_version: int
@@ -73,9 +78,10 @@ TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill"})
 """Shares of a generate's wall time (engine/trace.py): timings, though their names do not end in _s."""
 
 
-def is_timing(key: str) -> bool:
-    """Whether a metrics.jsonl key is a timing, which two runs of one seed need not share (all else they do)."""
-    return key.endswith("_s") or key in TIMING_SHARES
+def is_measured(key: str) -> bool:
+    """Whether a metrics.jsonl key is a measurement of the machine (a timing, a memory reading), which two runs of
+    one seed need not share (all else they do)."""
+    return key.endswith("_s") or key in TIMING_SHARES or (key.startswith("mem_") and key.endswith("_gib"))
 
 
 class MetricsLogger:
