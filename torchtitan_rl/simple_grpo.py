@@ -212,9 +212,9 @@ def train(cfg: JobConfig) -> list[dict]:
             batch = builder.build(prompts, rollouts, refill=functools.partial(queue.refill, step), version=step)
             # 6. clipped policy-gradient steps: grpo.epochs x grpo.mini_batches, all against pi_old
             t_train = time.perf_counter()
-            memory.start("train")
             if cfg.generator.sleep != "off":  # the engine's memory goes to the trainer until the next sync
                 generator.sleep()
+            memory.start("train")  # after the sleep, as the estimate's train phase
             with one_line_oom(f"step {step}'s train step"):
                 train = trainer.train_step(batch.train, temperature=cfg.generator.sampling.temperature,
                                            grpo=cfg.grpo, max_tokens=cfg.generator.sampling.max_tokens)

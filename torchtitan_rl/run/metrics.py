@@ -34,8 +34,9 @@ class StepMetrics:
     memory: dict[str, float]
     """What this rank's device held at most in each phase of the step (run/memory_watch.py: the GPU's used bytes as
     nvidia-smi counts them, on CPU the process's resident memory), in GiB: mem_generate_gib (sync, generate,
-    held-out evaluation), mem_recompute_gib (the batch's build: scoring and the pi_old recompute), mem_train_gib;
-    against the estimate's phases, printed at the start ("memory per GPU (estimate)")."""
+    held-out evaluation), mem_recompute_gib (the batch's build: scoring and the pi_old recompute), mem_train_gib
+    (from the engine's sleep, if on); against the estimate's phases, printed at the start ("memory per GPU
+    (estimate)")."""
     completion_tokens: float
     """Generated this step, dynamic sampling's refills included."""
     weight_version: int
