@@ -1,4 +1,5 @@
-"""Do two checkouts train the same? Runs the CPU loop in three layouts in each and compares every non-timing metric.
+"""Do two checkouts train the same? Runs the CPU loop in three layouts in each and compares every metric but the
+machine's measurements (timings, memory readings).
 
 A refactor that moves code must leave what a run computes unchanged. For each checkout (a git worktree of the
 commit before and one of the commit after), this runs, one after another on this machine:
@@ -7,8 +8,9 @@ commit before and one of the commit after), this runs, one after another on this
     nccl        3 processes (2 trainer ranks + 1 generator rank, gloo on CPU) through torchtitan_rl.launch, 10 steps
     server      python -m torchtitan_rl.serve, and a trainer syncing to it over HTTP (transport server), 10 steps
 
-and compares their metrics.jsonl line by line, every field but timings (``*_s``, the generate's time shares) and
-fields the commit after adds. Exit 0 only if all three are equal; prints the first differing field otherwise.
+and compares their metrics.jsonl line by line, every field but timings (``*_s``, the generate's time shares), memory
+readings (``mem_*_gib``) and fields the commit after adds. Exit 0 only if all three are equal; prints the first
+differing field otherwise.
 
     git worktree add /tmp/before <commit>
     python scripts/check_same_metrics.py --before /tmp/before --after . --out /tmp/same_metrics
@@ -116,7 +118,7 @@ def main() -> None:
             print(f"{layout:9s} DIFFERENT: {len(before)} vs {len(after)} steps; first difference (step, field, "
                   f"before, after): {diff}; fields lost: {lost}")
         else:
-            print(f"{layout:9s} SAME: {len(before)} steps x {len(before[0])} non-timing fields equal"
+            print(f"{layout:9s} SAME: {len(before)} steps x {len(before[0])} non-measured fields equal"
                   + (f"; new fields {added}" if added else ""))
     raise SystemExit(1 if failed else 0)
 

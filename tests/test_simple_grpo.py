@@ -147,7 +147,7 @@ def test_resume_matches_uninterrupted_run(tmp_path, moe):
     # The resumed generator starts from the checkpoint's weights, not from scratch.
     assert [r["weight_version"] for r in b] == [3, 4, 5]
     # Same prompts, same samples, same trainer state: every metric bit for bit.
-    for got, want in zip(_not_timings(b), _not_timings(a[3:]), strict=True):
+    for got, want in zip(_not_measured(b), _not_measured(a[3:]), strict=True):
         assert got == want, {k: (got.get(k), want.get(k)) for k in got.keys() | want.keys()
                              if got.get(k) != want.get(k)}
     if moe:  # the generator's expert choices vs the trainer's, measured every step
@@ -167,7 +167,7 @@ def _partial_config(output_dir: Path, *, steps: int) -> JobConfig:
     return cfg
 
 
-def _not_timings(history: list[dict]) -> list[dict]:
+def _not_measured(history: list[dict]) -> list[dict]:
     return [not_measured(r) for r in history]
 
 
@@ -187,10 +187,10 @@ def test_partial_rollouts_resume_from_unfinished_samples_gives_the_uninterrupted
     second.resume = True
     b = train(second)
     # Every metric of the resumed steps, bit for bit: the carried samples continued as they would have.
-    assert _not_timings(b) == _not_timings(a[3:])
+    assert _not_measured(b) == _not_measured(a[3:])
     # The same seed and layout give the same samples (here: the first three steps of two runs).
     c = train(_partial_config(tmp_path / "c", steps=3))
-    assert _not_timings(c) == _not_timings(a[:3])
+    assert _not_measured(c) == _not_measured(a[:3])
 
 
 @pytest.mark.slow
@@ -211,7 +211,7 @@ def test_generation_overlapped_with_training_gives_the_same_run_and_resumes_bit_
     resumed.resume = True
     again = train(resumed)
     assert [r["weight_version"] for r in b] == [0, 0, 1, 2, 3] and [r["step"] for r in again] == [3, 4]
-    assert _not_timings(b) == _not_timings(a) and _not_timings(again) == _not_timings(a[3:])
+    assert _not_measured(b) == _not_measured(a) and _not_measured(again) == _not_measured(a[3:])
 
 
 def dcp_extra(checkpoint: Path) -> dict:
