@@ -143,12 +143,17 @@ def on_args_of(results: Path) -> dict[str, str]:
     return got
 
 
-def settings_note(on_args: str | None) -> str:
-    """Where a row's partial-rollout settings differ from partial_args.sh's, those settings: " (over_sample 128)"."""
+def default_on_args() -> dict[str, str]:
+    """partial_args.sh's PARTIAL_ON_ARGS (long_tail.sh's default LONG_TAIL_ON_ARGS) as '--key value' pairs."""
+    text = PARTIAL_ARGS_SH.read_text().replace("\\\n", "")  # the shell's line continuation inside the quotes
+    return flag_values(re.search(r'PARTIAL_ON_ARGS="([^"]*)"', text).group(1))
+
+
+def settings_note(on_args: str | None, *, default: dict[str, str]) -> str:
+    """Where a row's partial-rollout settings differ from ``default`` (default_on_args), those settings:
+    " (over_sample 128)"."""
     if on_args is None:
         return ""
-    text = PARTIAL_ARGS_SH.read_text().replace("\\\n", "")  # the shell's line continuation inside the quotes
-    default = flag_values(re.search(r'PARTIAL_ON_ARGS="([^"]*)"', text).group(1))
     changed = [f"{key.removeprefix('--').removeprefix('grpo.partial.')} {value}"
                for key, value in flag_values(on_args).items() if default.get(key) != value]
     return f" ({', '.join(changed)})" if changed else ""
@@ -157,7 +162,7 @@ def settings_note(on_args: str | None) -> str:
 def tail_numbers(results: Path) -> dict:
     """(layout, size, mode) -> the row's numbers (row_numbers) and the settings note of a row with partial rollouts
     (settings_note), None where the folder has no such row."""
-    numbers, on_args = {}, on_args_of(results)
+    numbers, on_args, default = {}, on_args_of(results), default_on_args()
     for layout in LAYOUTS:
         for size in SIZES:
             for mode in MODES:
@@ -166,7 +171,7 @@ def tail_numbers(results: Path) -> dict:
                 n = row_numbers(steps(path), skip=warmup(layout, mode)) if path.is_file() else None
                 if n is not None:
                     partial = mode.removesuffix("-batched") in PARTIAL
-                    n["settings"] = settings_note(on_args.get(row)) if partial else ""
+                    n["settings"] = settings_note(on_args.get(row), default=default) if partial else ""
                 numbers[layout, size, mode] = n
     return numbers
 
