@@ -9,8 +9,8 @@
 #          d  one trainer rank + one generator rank (weight_sync.transport nccl), asynchronous (grpo.max_staleness 1,
 #             truncated importance weights), the engine alone on its GPU (gpu_memory_utilization 0.85, no sleep)
 #          e  colocated on one GPU, asynchronous as d: the engine's thread generates the next step's rollouts while
-#             the trainer trains (generator.overlap_training); its "on" modes add $LONG_TAIL_ON_E_ARGS (default:
-#             tokens at most 3 versions old, as d's)
+#             the trainer trains (generator.overlap_training; no sleep: at 1.7B gpu_memory_utilization 0.5, an
+#             H200's share); its "on" modes add $LONG_TAIL_ON_E_ARGS (default: tokens at most 3 versions old, as d's)
 #   SIZE   0.6B | 1.7B: run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal
 #          response lengths, median 1500, p90 5000, cap 8192: grpo.harness_lengths)
 #   MODE   off: synchronous, as today | on: + $LONG_TAIL_ON_ARGS (default: partial_args.sh's partial rollouts,
@@ -106,8 +106,11 @@ launch() {
   fi
   # a row with nothing to resume (new in this call) starts: one call can resume some rows and start others
   if [ "${LONG_TAIL_RESUME:-0}" = 1 ] && [[ $layout =~ ^[abde]$ ]]; then common+=(--resume-if-any); fi
+  # e: the engine stays awake beside the trainer (overlap_training has no sleep mode); at 1.7B it takes half an
+  # H200 (KV cache for ~600k bf16 tokens, the long tail's peak ~400k) to leave the trainer's state and activations room
   [ "$layout" = e ] && args+=(--grpo.max_staleness 1 --grpo.importance_correction truncate
-                              --generator.overlap_training true)
+                              --generator.overlap_training true --generator.sleep off)
+  [ "$layout-$size" = e-1.7B ] && args+=(--generator.gpu_memory_utilization 0.5)
   case $layout in
     a|e) CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
          --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
