@@ -12,7 +12,7 @@ import sys
 import psutil
 
 from tests.helpers import REPO
-from torchtitan_rl.run.memory_watch import GIB
+from torchtitan_rl.run.memory_watch import GIB, device_readings
 
 PHASES = """
 import json, time
@@ -48,3 +48,6 @@ def test_a_phase_keeps_its_largest_reading_and_a_take_starts_the_next_step_afres
     assert got["between"] == {}
     assert set(got["next"]) == {"mem_next_gib"}
     assert 0 < step["mem_before_gib"] < psutil.virtual_memory().total / GIB
+    # a GPU's line splits each reading into parts; the device's readings leave them out
+    assert device_readings({**step, "mem_held_tensors_gib": 0.5, "mem_held_cached_gib": 0.1, "step": 3}) == {
+        "before": step["mem_before_gib"], "held": step["mem_held_gib"], "after": step["mem_after_gib"]}

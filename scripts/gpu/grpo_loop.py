@@ -41,6 +41,7 @@ def main() -> None:
     t_start = time.perf_counter()
     import torchtitan_rl.compat  # noqa: F401
     from torchtitan_rl.config import parse_args
+    from torchtitan_rl.run.memory_watch import device_readings
     from torchtitan_rl.simple_grpo import train
     from torchtitan_rl.trainer.trainer import Trainer
 
@@ -102,7 +103,8 @@ def main() -> None:
     summary = {
         "steps": args.steps, "skipped": args.skip, "wall_s": wall, "first_step_s": steps[0]["step_s"],
         "median": med, "per_step": steps, "config": argv,
-        "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+        # the loop's phase readings (run/memory_watch.py): torch's own peak counter is reset at each phase
+        "peak_gpu_mem_gib": max((v for rec in history for v in device_readings(rec).values()), default=0.0),
         "generate_diagnostics": diagnostics,
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=1))
@@ -131,8 +133,8 @@ def main() -> None:
         f"logprob mismatch: median per-step max {med['mismatch_max']:.2e}, mean {med['mismatch_mean']:.2e}; "
         f"tokens that differ, worst step of all {args.steps}: "
         f"{100 * max(s['mismatch_frac_tokens'] for s in steps):.2f}%. "
-        f"Sync = {100 * med['sync'] / med['step_s']:.3f}% of the step. Peak GPU memory allocated through "
-        f"torch (trainer + generator, one process): {summary['peak_gpu_mem_gib']:.1f} GiB. "
+        f"Sync = {100 * med['sync'] / med['step_s']:.3f}% of the step. Peak GPU memory held (trainer + generator, one process, "
+        f"every allocator and the CUDA context): {summary['peak_gpu_mem_gib']:.1f} GiB. "
         f"Whole run incl. startup: {wall:.0f} s.\n"
     )
     rates = [s["gen_tokens_per_s"] for s in kept]
