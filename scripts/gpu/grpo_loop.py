@@ -133,8 +133,8 @@ def main() -> None:
         f"logprob mismatch: median per-step max {med['mismatch_max']:.2e}, mean {med['mismatch_mean']:.2e}; "
         f"tokens that differ, worst step of all {args.steps}: "
         f"{100 * max(s['mismatch_frac_tokens'] for s in steps):.2f}%. "
-        f"Sync = {100 * med['sync'] / med['step_s']:.3f}% of the step. Peak GPU memory held (trainer + generator, one process, "
-        f"every allocator and the CUDA context): {summary['peak_gpu_mem_gib']:.1f} GiB. "
+        f"Sync = {100 * med['sync'] / med['step_s']:.3f}% of the step. Peak GPU memory held (trainer + "
+        f"generator, one process, every allocator and the CUDA context): {summary['peak_gpu_mem_gib']:.1f} GiB. "
         f"Whole run incl. startup: {wall:.0f} s.\n"
     )
     rates = [s["gen_tokens_per_s"] for s in kept]
