@@ -126,7 +126,8 @@ def main() -> None:
         f"(random weights rarely emit <eos>, so nearly every sample runs to the limit); generator "
         f"enforce_eager={s.enforce_eager}, gpu_memory_utilization={s.gpu_memory_utilization}, "
         f"max_num_seqs={s.max_num_seqs}; trainer micro_batch_size={cfg.trainer.micro_batch_size}, "
-        f"micro_batch_tokens={cfg.trainer.micro_batch_tokens}, logprob_chunk_tokens={cfg.trainer.logprob_chunk_tokens}, "
+        f"micro_batch_tokens={cfg.trainer.micro_batch_tokens}, "
+        f"logprob_chunk_tokens={cfg.trainer.logprob_chunk_tokens}, "
         f"compile={cfg.trainer.compile}.\n\n"
         + table(["part", "median ms", "share of step"], rows)
         + f"\nGeneration {med['gen_tokens_per_s']:.0f} tokens/s inside the loop; trainer-vs-generator "
