@@ -2,10 +2,10 @@
 
 Runs torchtitan_rl.simple_grpo.train on run_configs/qwen3_0.6b.toml (trainer and
 generator colocated, CUDA graphs), then splits each step's wall time:
-sync, generate (from metrics.jsonl), logprob recompute and optimizer (timed
-here by wrapping Trainer.token_logprobs and the optimizer's step hooks, with
-a device sync at the edges, where the loop syncs anyway), trainer
-forward+backward (= train_s - optimizer) and other (scoring, packing, logging).
+sync, generate and logprob recompute (from metrics.jsonl), optimizer (timed
+here by the optimizer's step hooks, with a device sync at the edges, where the
+loop syncs anyway), trainer forward+backward (= train_s - optimizer) and other
+(scoring, packing, logging).
 
     python3 scripts/gpu/grpo_loop.py --steps 20 [--out DIR] [--section.field value ...]
 """
@@ -43,25 +43,13 @@ def main() -> None:
     from torchtitan_rl.config import parse_args
     from torchtitan_rl.run.memory_watch import device_readings
     from torchtitan_rl.simple_grpo import train
-    from torchtitan_rl.trainer.trainer import Trainer
 
     workdir = Path(tempfile.mkdtemp(prefix="grpo_"))
     argv = ["--config", args.config, "--trainer.steps", str(args.steps), "--job.output_dir", str(workdir),
             "--trainer.checkpoint.enable", "false", *overrides]
     cfg = parse_args(argv)
 
-    recompute, optimizer = [], []
-    real_logprobs = Trainer.token_logprobs
-
-    def timed_logprobs(self, *a, **kw):
-        t = time.perf_counter()
-        out = real_logprobs(self, *a, **kw)
-        SYNC()
-        recompute.append(time.perf_counter() - t)
-        return out
-
-    Trainer.token_logprobs = timed_logprobs
-    opt_start = []
+    optimizer, opt_start = [], []
 
     def pre_hook(opt, *_):
         SYNC()
@@ -81,15 +69,13 @@ def main() -> None:
         install(diagnostics)
     history = train(cfg)
     wall = time.perf_counter() - t_start
-    assert len(history) == len(recompute) == len(optimizer) == args.steps, (
-        len(history), len(recompute), len(optimizer)
-    )
+    assert len(history) == len(optimizer) == args.steps, (len(history), len(optimizer))  # one optimizer step a step
     steps = []
-    for rec, rc, op in zip(history, recompute, optimizer):
+    for rec, op in zip(history, optimizer):
         parts = {
             "sync": rec["sync_s"],
             "generate": rec["generate_s"],
-            "trainer logprob recompute (fwd)": rc,
+            "trainer logprob recompute (fwd)": rec["recompute_s"],  # 0 with grpo.old_logprobs train
             "trainer fwd+bwd (+clip)": rec["train_s"] - op,
             "optimizer (AdamW, fp32)": op,
         }
