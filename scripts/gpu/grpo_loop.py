@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
     parser.add_argument("--out", default=None, help="copy metrics.jsonl and a summary JSON here")
+    parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks.md")
     parser.add_argument("--diagnose", action="store_true",
                         help="per-step generation diagnostics of scripts/gpu/gen_drift.py in the summary")
     args, overrides = parser.parse_known_args()  # the rest: --section.field value overrides
@@ -133,7 +134,8 @@ def main() -> None:
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mode = ", batch-invariant" if cfg.batch_invariant_mode else ""
-    write_section(f"GRPO loop step breakdown{mode} ({device})", device=device, body=body)
+    if not args.no_write:
+        write_section(f"GRPO loop step breakdown{mode} ({device})", device=device, body=body)
 
 
 if __name__ == "__main__":

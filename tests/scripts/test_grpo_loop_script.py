@@ -1,0 +1,28 @@
+"""scripts/gpu/grpo_loop.py (run_all.sh's `grpo` call) on CPU: its step breakdown from a real run of the loop.
+
+It once timed the recompute by wrapping a Trainer method the batch builder had stopped calling, and failed on the
+GPU after the run; here it runs end to end on cpu_tiny."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.slow  # a real CPU run: ~15 s
+
+
+def test_the_breakdown_counts_each_part_once_and_names_the_peak(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/gpu/grpo_loop.py", "--config", "run_configs/cpu_tiny.toml",
+                           "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--no-write",
+                           "--grpo.prompts_per_step", "8"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "grpo_summary.json").read_text())
+    assert [s["step"] for s in summary["per_step"]] == [0, 1, 2]
+    for step in summary["per_step"]:  # "other" is the step less the parts: none of them counted twice
+        assert step["other"] >= 0, step
+        assert step["trainer logprob recompute (fwd)"] > 0 and step["optimizer (AdamW, fp32)"] > 0, step
+    assert 0 < summary["peak_gpu_mem_gib"] < 24  # on CPU the process's resident memory, read by the loop
+    assert (tmp_path / "grpo_metrics.jsonl").exists()
