@@ -1,4 +1,5 @@
-"""scripts/gpu/grpo_loop.py (run_all.sh's `grpo` call) on CPU: its step breakdown from a real run of the loop.
+"""scripts/gpu/grpo_loop.py (run_all.sh's `grpo` call) on CPU: its step breakdown from a real run of the loop, with
+gen_drift.py's per-generate diagnostics.
 
 It once timed the recompute by wrapping a Trainer method the batch builder had stopped calling, and failed on the
 GPU after the run; here it runs end to end on cpu_tiny."""
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow  # a real CPU run: ~15 s
 
 def test_the_breakdown_counts_each_part_once_and_names_the_peak(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/gpu/grpo_loop.py", "--config", "run_configs/cpu_tiny.toml",
-                           "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--no-write",
+                           "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--no-write", "--diagnose",
                            "--grpo.prompts_per_step", "8"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "grpo_summary.json").read_text())
@@ -26,3 +27,5 @@ def test_the_breakdown_counts_each_part_once_and_names_the_peak(tmp_path):
         assert step["trainer logprob recompute (fwd)"] > 0 and step["optimizer (AdamW, fp32)"] > 0, step
     assert 0 < summary["peak_gpu_mem_gib"] < 24  # on CPU the process's resident memory, read by the loop
     assert (tmp_path / "grpo_metrics.jsonl").exists()
+    # --diagnose: scripts/gpu/gen_drift.py's hooks in vLLM's engine record every generate
+    assert len(summary["generate_diagnostics"]) >= 3 and all(d["rss_gib"] > 0 for d in summary["generate_diagnostics"])
