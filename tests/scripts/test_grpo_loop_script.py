@@ -1,8 +1,8 @@
 """scripts/gpu/grpo_loop.py (run_all.sh's `grpo` call) on CPU: its step breakdown from a real run of the loop, with
 gen_drift.py's per-generate diagnostics.
 
-It once timed the recompute by wrapping a Trainer method the batch builder had stopped calling, and failed on the
-GPU after the run; here it runs end to end on cpu_tiny."""
+It once timed the recompute by wrapping a Trainer method the batch builder had stopped calling, and failed its own
+check after the run (found by running it here); this test runs it end to end on cpu_tiny."""
 
 import json
 import subprocess
