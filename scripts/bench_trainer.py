@@ -118,13 +118,19 @@ def measure(cfg, shape, batch, *, repeats: int, profile: bool) -> dict:
         trainer.train_step(TrainBatch(tokens, mask, old, adv), temperature=T, grpo=cfg.grpo)
 
     def timed(fn, *args):
+        """fn's result, seconds, and the most torch's allocator held in tensors and reserved (GiB, CUDA) while it ran;
+        the blocks cached before it are returned to the driver first, so that reserved beyond allocated is the
+        blocks fn's own tensors left unusable (as the loop's recompute, which follows the engine's wake)."""
         if device.type == "cuda":
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         synchronize(device.type)
         t = time.perf_counter()
         out = fn(*args)
         synchronize(device.type)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        cuda = device.type == "cuda"
+        peak = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) if cuda \
+            else (0.0, 0.0)
         return out, time.perf_counter() - t, peak
 
     rec_s, fb_s, rec_peak, fb_peak = [], [], [], []
@@ -142,7 +148,8 @@ def measure(cfg, shape, batch, *, repeats: int, profile: bool) -> dict:
     if profile and device.type == "cuda":
         _profile(lambda: step(old))
     result = {"recompute_s": statistics.median(rec_s), "fwd_bwd_s": statistics.median(fb_s),
-              "recompute_peak_gib": max(rec_peak), "fwd_bwd_peak_gib": max(fb_peak),
+              "recompute_peak_gib": max(p for p, _ in rec_peak), "fwd_bwd_peak_gib": max(p for p, _ in fb_peak),
+              "recompute_reserved_gib": max(r for _, r in rec_peak), "fwd_bwd_reserved_gib": max(r for _, r in fb_peak),
               "optimizer_s": statistics.median(opt_times[1:]),
               "matmul_params": sum(m.weight.numel() for n, m in trainer.model.named_modules()
                                    if isinstance(m, torch.nn.Linear) and n != "lm_head"),

@@ -25,7 +25,8 @@
 #          sample's noise drawn in one kernel a step instead of vLLM V1's kernel per sample (the dense rows run on
 #          vLLM 0.26's model runner V2, which does that already: there the row runs as its plain mode)
 # and three more kinds of row:
-#   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory and
+#   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory (torch's
+#                    tensors, and its allocator's reserved bytes: what the micro-batches' changing shapes leave) and
 #                    tokens/s of the recompute and fwd+bwd at 8k rows (AC, 32k / 64k / 128k-token micro-batches;
 #                    LONG_TAIL_TRAINER_VARIANTS: names of bench_trainer.py's VARIANTS separated by ';')
 #   trainer16k-SIZE  the same with every row 16384 + prompt tokens long (8 prompts x 8): the 16k worst case

@@ -248,13 +248,20 @@ def trainer_table(folders: list[Path]) -> str:
                 continue
             for name, r in json.loads(path.read_text())["results"].items():
                 mfu = r.get("fwd_bwd_mfu")
-                rows.append([results.name, size, rows_are, name, f"{r['tokens']:,}", f"{r['recompute_peak_gib']:.1f}",
-                             f"{r['fwd_bwd_peak_gib']:.1f}", f"{r['fwd_bwd_tokens_per_s']:,.0f}",
+                rows.append([results.name, size, rows_are, name, f"{r['tokens']:,}", peak(r, "recompute"),
+                             peak(r, "fwd_bwd"), f"{r['fwd_bwd_tokens_per_s']:,.0f}",
                              f"{100 * mfu:.1f}%" if mfu is not None else "-"])
     if not rows:
         return "Trainer at long rows: not run yet.\n"
-    return table(["lease", "size", "rows", "trainer setting", "tokens", "recompute peak GiB", "fwd+bwd peak GiB",
-                  "fwd+bwd tokens/s", "fwd+bwd MFU"], rows)
+    return table(["lease", "size", "rows", "trainer setting", "tokens", "recompute peak GiB (reserved)",
+                  "fwd+bwd peak GiB (reserved)", "fwd+bwd tokens/s", "fwd+bwd MFU"], rows)
+
+
+def peak(result: dict, phase: str) -> str:
+    """bench_trainer.py's peak of torch's tensors in ``phase`` and, where it recorded it, its allocator's reserved
+    bytes (older results have none)."""
+    reserved = result.get(f"{phase}_reserved_gib")
+    return f"{result[f'{phase}_peak_gib']:.1f}" + (f" ({reserved:.1f})" if reserved is not None else "")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,9 @@
 """scripts/gpu/long_tail_table.py's parsing on real run folders written by the loop on CPU: a harness run with
-drawn lengths stands for the long-tail rows, a math run with held-out evaluations for the SmolLM2 pair."""
+drawn lengths stands for the long-tail rows, a math run with held-out evaluations for the SmolLM2 pair, and
+scripts/bench_trainer.py's JSON on cpu_tiny for the trainer rows."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -46,10 +48,20 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
     summaries = [{"layout": "a-0.6B-on", "on_args": default},
                  {"layout": "a-0.6B-onfp8", "on_args": default.replace("over_sample 64", "over_sample 128")}]
     (first / "long_tail_summary_1.jsonl").write_text("".join(json.dumps(s) + "\n" for s in summaries))
+    # a trainer row as long_tail.sh runs it (bench_trainer.py's JSON), and one from before it recorded reserved bytes
+    bench = subprocess.run([sys.executable, "scripts/bench_trainer.py", "--config", "run_configs/cpu_tiny.toml",
+                            "--repeats", "1", "--no-write", "--variants", "chunked logprobs, 32 rows", "--json",
+                            str(first / "long_tail_trainer_0.6B.json")], capture_output=True, text=True, cwd=REPO,
+                           timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    older = json.loads((first / "long_tail_trainer_0.6B.json").read_text())
+    for r in older["results"].values():
+        del r["recompute_reserved_gib"], r["fwd_bwd_reserved_gib"]
+    (second / "long_tail_trainer16k_0.6B.json").write_text(json.dumps(older))
     return results
 
 
-@pytest.mark.slow  # two CPU runs in the fixture
+@pytest.mark.slow  # two CPU runs and a trainer bench in the fixture
 def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     profiles = results / "lease3"  # a lease that ran profile_generate.py alone: no table of its own
     profiles.mkdir(exist_ok=True)
@@ -85,4 +97,7 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     missing = proc.stdout.split("Not run yet:")[1].split("\n")[0]
     assert "fp8" not in missing and "stream" not in missing and "batched" not in missing  # never listed as missing
     assert "| off | 2 | " in proc.stdout and "+0.00 standard errors of the difference: within 2" in proc.stdout
-    assert "Trainer at long rows: not run yet." in proc.stdout
+    trainer = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if "| chunked logprobs, 32 rows |" in line]
+    assert [(r[0].strip(), r[2].strip()) for r in trainer] == [("lease1", "drawn lengths (64 x 8)"),
+                                                               ("lease2", "every row 16384 + prompt (8 x 8)")]
+    assert trainer[0][5].strip() == "0.0 (0.0)" and trainer[1][5].strip() == "0.0"  # on CPU no allocator counts
