@@ -121,14 +121,14 @@ def measure(cfg, shape, batch, *, repeats: int, profile: bool) -> dict:
         """fn's result, seconds, and the most torch's allocator held in tensors and reserved (GiB, CUDA) while it ran;
         the blocks cached before it are returned to the driver first, so that reserved beyond allocated is the
         blocks fn's own tensors left unusable (as the loop's recompute, which follows the engine's wake)."""
-        if device.type == "cuda":
+        cuda = device.type == "cuda"
+        if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         synchronize(device.type)
         t = time.perf_counter()
         out = fn(*args)
         synchronize(device.type)
-        cuda = device.type == "cuda"
         peak = (torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30) if cuda \
             else (0.0, 0.0)
         return out, time.perf_counter() - t, peak
