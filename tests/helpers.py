@@ -183,6 +183,12 @@ def assert_within_noise(check: LogprobCheck, *, misses=()) -> None:
 # ------------------------------------------------------------- the CLI as a user runs it
 
 
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment with PYTHONPATH this tree (a child imports this checkout's package, not an
+    installed one), plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+
+
 def run_module(module, *args, world_size=None, cwd=None, timeout=60):
     """python -m MODULE ARGS in a subprocess (WORLD_SIZE only when given)."""
     cwd = cwd or REPO

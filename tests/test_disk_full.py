@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, free_port, run_cli, run_module
+from tests.helpers import REPO, free_port, repo_env, run_cli, run_module
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml
 from torchtitan_rl.export import export_hf
@@ -250,7 +250,7 @@ def test_a_failed_end_of_run_export_names_the_checkpoint_and_the_command_that_ex
                          f"{step}, which verifies: `{command}` exports it"), line
     out = tmp_path / "later"
     proc = subprocess.run(command.replace("DIR", str(out)).replace("python", sys.executable, 1).split(), cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
+                          env=repo_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load_file(out / "model.safetensors")
 
@@ -289,7 +289,7 @@ def test_a_two_rank_checkpoint_save_on_a_full_disk_ends_every_rank_with_the_same
     results.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(REPO / "tests" / "trainer" / "full_disk_worker.py"), str(disk / "out"), str(results)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = disk / "out" / "checkpoints"

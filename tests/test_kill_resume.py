@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, not_measured
+from tests.helpers import REPO, not_measured, repo_env
 
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 8
@@ -24,7 +24,7 @@ ARGS = ["--config", str(CPU_TINY), "--trainer.steps", str(STEPS), "--grpo.prompt
 
 
 def _start(out: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     log = open(out.with_name(out.name + ".log"), "a")
     return subprocess.Popen([sys.executable, "-m", "torchtitan_rl.simple_grpo", *ARGS, "--job.output_dir", str(out),
                              *extra], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

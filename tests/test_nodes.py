@@ -22,12 +22,11 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port, repo_env
 from torchtitan_rl.distributed.process_group import local_device
 from torchtitan_rl.run.parts import run_device
 from torchtitan_rl.trainer import checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 HOST1 = "node1"
 """Node 1's host name (its own UTS namespace)."""
@@ -63,7 +62,7 @@ def _two_nodes(out: Path, nproc: int, *extra: str, private: bool = False, env: d
     """Both machines' launchers (node 0 first); every process of theirs is gone after the block."""
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    env = repo_env(GLOO_SOCKET_IFNAME="lo", **(env or {}))
     procs = [subprocess.Popen(_node_cmd(k, port, nproc, out, *extra, private=private), cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
              for k in (0, 1)]
@@ -204,7 +203,7 @@ def test_a_trainer_on_two_machines_trains_through_a_rollout_server(tmp_path):
     server = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.serve", "--config", str(CPU_TINY), "--job.output_dir",
          str(tmp_path / "server"), "--serve.port", str(port)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env}, stdout=log, stderr=subprocess.STDOUT)
+        cwd=REPO, env=repo_env(**env), stdout=log, stderr=subprocess.STDOUT)
     try:
         out = tmp_path / "out"
         with _two_nodes(out, 1, "--trainer.steps", "3", "--weight_sync.transport", "server",
@@ -280,7 +279,7 @@ def _alone(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
     """Machine 0's launcher of a two-machine job whose machine 1 never comes."""
     cmd = _node_cmd(0, port, 1, tmp_path / "out")
     cmd[cmd.index("--nproc-per-node"):cmd.index("--nproc-per-node")] = list(extra)
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=REPO, env=repo_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

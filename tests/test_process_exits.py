@@ -20,10 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port, repo_env
 from torchtitan_rl.grpo.tasks.digits import DigitsTask
 
-REPO = Path(__file__).resolve().parents[1]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 EXIT_S = 5.0
 """Every rank must be gone this long after the fault."""
@@ -77,7 +76,7 @@ def _start(tmp_path: Path, nproc: int, *extra: str, launcher: str = "torchtitan_
         str(free_port()), "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY),
         "--job.output_dir", str(tmp_path), "--grpo.prompts_per_step", "8", *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own process group, as a shell gives a foreground job
 
@@ -203,7 +202,7 @@ def test_torchrun_itself_adds_its_report_and_traceback(tmp_path):
 
 @pytest.mark.slow  # a real engine's start-up: ~15 s
 def test_sigterm_to_a_single_process_run_is_one_line_exit_143(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
@@ -263,7 +262,7 @@ def _lines_with_times(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], 
 def test_a_finished_run_exits_within_2_s_of_its_last_line(tmp_path):
     """The summary line is the last thing a run does: the engine shuts down before it, and the interpreter's
     teardown (3.9 s on this machine before: vLLM's and torch's finalizers) is skipped (run/exits.py)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     env.pop("WORLD_SIZE", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import BF16_MISMATCH_MEAN, free_port, run_cli
+from tests.helpers import BF16_MISMATCH_MEAN, free_port, repo_env, run_cli
 from torchtitan_rl.config import LoRAConfig
 from torchtitan_rl.config.job_config import ModelConfig, TrainerConfig
 from torchtitan_rl.models.families import resolve_shape
@@ -133,7 +133,6 @@ def test_other_rope_scaling_is_refused_not_ignored(tiny_hf_checkpoint, tmp_path)
 @pytest.mark.slow
 def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
     """parallelize_qwen3 (FSDP2 over 2 gloo ranks) on a Llama shape: two CLI steps, then the sharded export."""
-    import os
     import subprocess
     import sys
 
@@ -142,7 +141,7 @@ def test_llama_flavor_trains_and_exports_under_fsdp_on_two_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "torchtitan_rl.simple_grpo", "--config", "run_configs/cpu_tiny.toml", "--model.flavor", "tiny-llama",
            "--trainer.steps", "2", "--job.output_dir", str(tmp_path / "out"), "--job.export_dir", str(tmp_path / "hf")]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "latest" / "metrics.jsonl").read_text().splitlines()]

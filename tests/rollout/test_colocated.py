@@ -8,18 +8,16 @@ the tests; a launch is ~15 s on 2 CPU cores plus ~1 s a step. Two 3-step runs ch
 
 import gc
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, not_measured
+from tests.helpers import REPO, free_port, not_measured, repo_env
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml
 
-REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 40
 """As tests/test_simple_grpo.py's learning run (40 steps of 32 prompts)."""
@@ -32,7 +30,7 @@ def _torchrun(output_dir: Path, *extra: str) -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir", str(output_dir), *extra,
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

@@ -11,7 +11,6 @@ rank) for batch-invariant mode and evaluation, which run synchronously
 
 import gc
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -22,14 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import assert_one_line_error, run_cli
+from tests.helpers import REPO, assert_one_line_error, repo_env, run_cli
 from tests.helpers import BF16_MISMATCH_MEAN, free_port
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import load_toml, validate
 from torchtitan_rl.serving.own_rank import Mailbox, _receive
 from torchtitan_rl.weight_sync.store import store_value
 
-REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 STEPS = 3
 OVERRIDES = {"trainer.steps": STEPS, "grpo.prompts_per_step": 8}
@@ -55,7 +53,7 @@ def _torchrun(nproc: int, output_dir: Path, *extra: str, check: bool = True) -> 
         "--master-port", str(free_port()), "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY),
         "--job.output_dir", str(output_dir), *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

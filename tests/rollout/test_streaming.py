@@ -6,16 +6,14 @@ lands between two engine steps and its tokens carry the new version is tests/eng
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, not_measured
+from tests.helpers import REPO, free_port, not_measured, repo_env
 
-REPO = Path(__file__).resolve().parents[2]
 CPU_TINY = REPO / "run_configs" / "cpu_tiny.toml"
 SHORT = {"trainer.steps": 3, "grpo.prompts_per_step": 8, "weight_sync.transport": "nccl", "batch_invariant_mode": "true"}
 """One trainer rank + one generator rank, batch-invariant: per-group and whole-batch recomputes are equal bits."""
@@ -36,7 +34,7 @@ def _torchrun(nproc: int, output_dir: Path, overrides: dict) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
            str(output_dir), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads(line) for line in (output_dir / "latest" / "metrics.jsonl").read_text().splitlines()]

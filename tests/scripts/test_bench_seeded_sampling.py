@@ -1,13 +1,12 @@
 """scripts/bench_seeded_sampling.py runs (on CPU here, on a GPU in the device calls) and writes its section."""
 
-import os
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, repo_env
 
 
 @pytest.mark.slow  # imports vLLM: ~10 s
@@ -19,7 +18,7 @@ def test_it_times_both_ways_and_writes_its_section(tmp_path):
         shutil.copy(REPO / "scripts" / name, work / "scripts" / name)
     proc = subprocess.run([sys.executable, "scripts/bench_seeded_sampling.py", "--device", "cpu", "--rows", "8",
                            "--vocab", "64", "--repeats", "3", "--write"], cwd=work, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=300, env=repo_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (work / "docs" / "benchmarks.md").read_text()
     assert "## Seeded sampling, vLLM's per-request loop (cpu)" in text

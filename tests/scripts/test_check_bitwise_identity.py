@@ -1,13 +1,11 @@
 """scripts/check_bitwise_identity.py on the small CPU config: batch-invariant mode is bitwise."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, repo_env
 
 
 @pytest.mark.slow
@@ -17,7 +15,7 @@ def test_check_bitwise_identity_passes_on_the_cpu_config(tmp_path):
         # pads each batch to its longest sequence, so rows meet different paddings.
         [sys.executable, "scripts/check_bitwise_identity.py", "--config", "run_configs/cpu_tiny.toml",
          "--max-tokens", "48", "--output-dir", str(tmp_path)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900,
+        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| batch-invariant")]

@@ -5,13 +5,12 @@ It once timed the recompute by wrapping a Trainer method the batch builder had s
 check after the run (found by running it here); this test runs it end to end on cpu_tiny."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, repo_env
 
 pytestmark = pytest.mark.slow  # a real CPU run: ~15 s
 
@@ -20,7 +19,7 @@ def test_the_breakdown_counts_each_part_once_and_names_the_peak(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/gpu/grpo_loop.py", "--config", "run_configs/cpu_tiny.toml",
                            "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--no-write", "--diagnose",
                            "--grpo.prompts_per_step", "8"], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})  # this tree's package, not an installed one
+                          env=repo_env())  # this tree's package, not an installed one
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "grpo_summary.json").read_text())
     assert [s["step"] for s in summary["per_step"]] == [0, 1, 2]

@@ -3,7 +3,6 @@ drawn lengths stands for the long-tail rows, a math run with held-out evaluation
 scripts/bench_trainer.py's JSON on cpu_tiny for the trainer rows."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import REPO, repo_env, run_cli
 
-REPO = Path(__file__).resolve().parents[2]
 TABLE = REPO / "scripts" / "gpu" / "long_tail_table.py"
 
 
@@ -52,7 +50,7 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
     bench = subprocess.run([sys.executable, "scripts/bench_trainer.py", "--config", "run_configs/cpu_tiny.toml",
                             "--repeats", "1", "--no-write", "--variants", "chunked logprobs, 32 rows", "--json",
                             str(first / "long_tail_trainer_0.6B.json")], capture_output=True, text=True, cwd=REPO,
-                           timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                           timeout=300, env=repo_env())
     assert bench.returncode == 0, bench.stderr[-2000:]
     older = json.loads((first / "long_tail_trainer_0.6B.json").read_text())
     for r in older["results"].values():

@@ -1,13 +1,12 @@
 """scripts/gpu/one_gpu_table.py: issue 41's section of docs/benchmarks.md from one_gpu.sh's raw result files."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import REPO, load_script
+from tests.helpers import REPO, load_script, repo_env
 
 TABLE = REPO / "scripts" / "gpu" / "one_gpu_table.py"
 
@@ -77,7 +76,7 @@ def test_mission_step_times_a_real_run_and_the_table_shows_it(tmp_path):
         [sys.executable, str(REPO / "scripts" / "gpu" / "mission_step.py"), "--name", "mission", "--steps", "2",
          "--skip", "0", "--config", "run_configs/cpu_tiny.toml", "--out", str(out), "--env", "ONE_GPU_MACHINE=a CPU",
          "--", "--grpo.prompts_per_step", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=repo_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads((out / "mission_mission.json").read_text())
     assert got["exit"] == 0 and got["steps"] == 2 and got["last_line"].startswith("torchtitan_rl: mean reward")
@@ -87,7 +86,7 @@ def test_mission_step_times_a_real_run_and_the_table_shows_it(tmp_path):
     assert {"step_s", "build_s", "recompute_s", "evaluation_s", "log_s"} <= set(got["median"])
     assert got["median"]["recompute_s"] <= got["median"]["build_s"] < got["median"]["step_s"]
     subprocess.run([sys.executable, str(TABLE), "--results", str(out), "--write", str(tmp_path / "b.md")], check=True,
-                   timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+                   timeout=60, env=repo_env())
     row = next(line for line in (tmp_path / "b.md").read_text().splitlines()
                if line.startswith("| mission step, one GPU, first start"))
     assert "| a CPU | 0 |" in row

@@ -1,6 +1,5 @@
 """Two processes under torchrun (gloo, CPU): FSDP and TP give the single-process step; EP gives FSDP's."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +9,11 @@ import torch
 
 from torchtitan_rl.config.job_config import GRPOConfig, ModelConfig
 
-from tests.helpers import free_port
+from tests.helpers import REPO, free_port, repo_env
 
 from .dp_worker import SPLITS
 from .helpers import make_batch
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # one torchrun world of two trainers for all of them: ~20 s, out of the quick loop
 
 
@@ -32,7 +30,7 @@ def two_ranks(tmp_path_factory):
         "--master-port", str(free_port()),
         str(Path(__file__).with_name("dp_worker.py")), str(folder / "batch.pt"), str(folder),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     proc = subprocess.run(
         cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240
     )

@@ -48,19 +48,18 @@ def test_sharded_load_on_two_ranks_equals_the_whole_model_load(tiny_hf_checkpoin
     """Each of 2 gloo ranks reads only its shards' rows (torch.distributed.checkpoint's HF reader); the
     parameters and buffers equal those of ranks that each read the whole checkpoint, tensor for tensor, for a
     transformers-built Qwen3 (untied) and Llama (tied, q/k permuted by the adapter)."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from tests.helpers import REPO, free_port
+    from tests.helpers import REPO, free_port, repo_env
 
     folders = [str(tiny_hf_checkpoint("qwen3")), str(tiny_hf_checkpoint("llama"))]
     worker = Path(__file__).with_name("hf_load_worker.py")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          str(worker), str(tmp_path), *folders],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
+        cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for i in range(len(folders)):
         got = torch.load(tmp_path / f"{i}.pt")

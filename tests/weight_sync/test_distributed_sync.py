@@ -1,16 +1,14 @@
 """The sync from an FSDP-sharded trainer (2 ranks, torchrun, gloo) into a generator on rank 0."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import BF16_MISMATCH_MEAN, LogprobCheck, assert_within_noise, free_port
+from tests.helpers import BF16_MISMATCH_MEAN, REPO, LogprobCheck, assert_within_noise, free_port, repo_env
 
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow  # torchrun worlds of 2-3 processes, each with its own engine
 
@@ -20,7 +18,7 @@ def _torchrun(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.Co
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), *args,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

@@ -4,7 +4,6 @@ A Qwen3 with 2 replicas (one broadcast group of trainer rank 0 and both) and a L
 """
 
 import json
-import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -13,10 +12,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tests.helpers import BF16_MISMATCH_MEAN, free_port
+from tests.helpers import BF16_MISMATCH_MEAN, REPO, free_port, repo_env
 from torchtitan_rl.weight_sync.store import answers
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", params=[("tiny", 2), ("tiny-llama", 1)], ids=["tiny-2-replicas", "tiny-llama"])
@@ -29,7 +26,7 @@ def run(request, tmp_path_factory) -> tuple[dict, list[dict]]:
         "--master-port", str(free_port()), str(Path(__file__).with_name("nccl_worker.py")), str(folder), flavor,
         str(replicas),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = repo_env()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     gens = [json.loads((folder / f"generator{r}.json").read_text()) for r in range(replicas)]
@@ -106,7 +103,7 @@ def test_the_weight_group_times_out_after_weight_sync_peer_timeout_s_not_1800_s(
     """A stalled peer (alive, silent) in the weight group: the other side gives up after the timeout passed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            str(Path(__file__).with_name("stalled_peer_worker.py")), "6"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=repo_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     waited = float(proc.stdout.split("gave up after ")[1].split(" s")[0])
