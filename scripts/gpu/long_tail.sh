@@ -23,7 +23,11 @@
 #          iteration in flight before a sync; on 2026-11-27 they turned it off, which halved the engine's tokens/s)
 #          Any mode may end in -batched (e.g. a-0.6B-onfp8-batched): generator.seeded_noise batched, every seeded
 #          sample's noise drawn in one kernel a step instead of vLLM V1's kernel per sample (the dense rows run on
-#          vLLM 0.26's model runner V2, which does that already: there the row runs as its plain mode)
+#          vLLM 0.26's model runner V2, which does that already: there the row runs as its plain mode), and then
+#          in -expandable (e.g. a-1.7B-off-expandable): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the
+#          run (torch's allocator maps and unmaps pages of growing segments instead of keeping blocks that the
+#          next micro-batch's shape may not fit; vLLM turns it off inside its sleep-mode pool); the summary records
+#          the row's setting as alloc_conf
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory (torch's
 #                    tensors, and its allocator's reserved bytes: what the micro-batches' changing shapes leave) and
@@ -90,6 +94,10 @@ launch() {
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=${row#math-}  # math-MODE: no size
+  local alloc=${PYTORCH_CUDA_ALLOC_CONF:-}
+  case $mode in *-expandable) mode=${mode%-expandable}; alloc=expandable_segments:True ;; esac
+  echo "$alloc" > "$work/$row.alloc"
+  local run_env=(env CUDA_VISIBLE_DEVICES="$gpus" ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc})
   case $mode in *-batched) mode=${mode%-batched}; args+=(--generator.seeded_noise batched) ;; esac
   case $layout-$mode in [abde]-off|[abde]-on|[abde]-fp8|[abde]-onfp8|d-stream|math-off|math-on|trainer*-) ;;
     *) echo "row $row: unknown mode '$mode' for layout $layout"; return 2 ;; esac
@@ -113,20 +121,20 @@ launch() {
                               --generator.overlap_training true --generator.sleep off)
   [ "$layout-$size" = e-1.7B ] && args+=(--generator.gpu_memory_utilization 0.5)
   case $layout in
-    a|e) CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+    a|e) "${run_env[@]}" timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
          --config "$(config_of "$size")" "${common[@]}" "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     b|d)
       [ "$layout" = d ] && args+=(--weight_sync.transport nccl --generator.gpu_memory_utilization 0.85
                                   --generator.sleep off --grpo.max_staleness 1 --grpo.importance_correction truncate)
       port=$((port + 1))
-      CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.launch --nproc-per-node 2 \
+      "${run_env[@]}" timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.launch --nproc-per-node 2 \
         --master-port "$port" -m torchtitan_rl.simple_grpo --config "$(config_of "$size")" "${common[@]}" \
         --weight_sync.peer_timeout_s 500 "${args[@]}" > "$work/$row.log" 2>&1 & ;;
     trainer|trainer16k)
       local over=()
       [ "$layout" = trainer16k ] && over=(--generator.sampling.max_tokens 16384 --generator.max_model_len 16640
                                           --model.max_seq_len 16640 --grpo.prompts_per_step 8)
-      CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 scripts/bench_trainer.py \
+      "${run_env[@]}" timeout -k 20 "$TIMEOUT" python3 scripts/bench_trainer.py \
         --config "$(config_of "$size")" $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write \
         --variants "${TRAINER_VARIANTS[@]}" --json "$R/long_tail_${layout}_$size.json" "${over[@]}" \
         > "$work/$row.log" 2>&1 & ;;
@@ -134,7 +142,7 @@ launch() {
       local run=$work/$row resume=()
       if [ "${LONG_TAIL_RESUME:-0}" = 1 ]; then resume=(--resume); else rm -rf "$run"; fi
       (python3 -m torchtitan_rl.fetch smollm2-135m-instruct --out models/smollm2-135m-instruct \
-        && CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
+        && "${run_env[@]}" timeout -k 20 "$TIMEOUT" python3 -m torchtitan_rl.simple_grpo \
              --config run_configs/smollm2_135m_math.toml --trainer.steps 100 --job.output_dir "$run" \
              "${resume[@]}" "${args[@]}") > "$work/$row.log" 2>&1 & ;;
   esac
@@ -159,7 +167,7 @@ report() {  # ROW RC GROUP
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
     --mem "$work/mem_$group.csv" --rc "$rc" --window "$from" "$STEPS" \
     --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "on_e_args=$ON_E_ARGS" "stream_d_args=$STREAM_D_ARGS" \
-            "steps=$STEPS" "gpu=$gpu_name" \
+            "steps=$STEPS" "gpu=$gpu_name" "alloc_conf=$(cat "$work/$row.alloc")" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"
 }
 

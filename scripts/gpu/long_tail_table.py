@@ -6,7 +6,8 @@ Each RESULTS folder holds the rows of one machine lease (its calls' long_tail.tg
 only within their folder, so each folder gets its own table, named by the folder and its GPU (from its
 summaries; --gpu where it has none). Reads, in each:
   long_tail_<layout>-<size>-<mode>.jsonl   a run's metrics.jsonl (layout a/e/b/d, size 0.6B/1.7B, mode
-                                           off/on/fp8/onfp8/stream, each also with -batched: seeded_noise batched)
+                                           off/on/fp8/onfp8/stream, each also with -batched: seeded_noise batched,
+                                           and -expandable: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
@@ -60,11 +61,13 @@ ASYNC = ("d", "e")
 OPTIONAL_LAYOUTS = ("e",)
 """Layouts beside the issue's a/b/d (e: a's GPU, generation overlapping training): never listed as missing."""
 SIZES = ("0.6B", "1.7B")
-NOISES = ("", "-batched")
-"""A mode's suffix: -batched draws every seeded sample's noise in one kernel a step (generator.seeded_noise)."""
-MODES = tuple(mode + noise for mode in ("off", "on", "fp8", "onfp8", "stream") for noise in NOISES)
+SUFFIXES = ("-batched", "-expandable")
+"""A mode's suffixes, in this order: -batched draws every seeded sample's noise in one kernel a step
+(generator.seeded_noise); -expandable runs torch's allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF)."""
+MODES = tuple(mode + "".join(suffixes) for mode in ("off", "on", "fp8", "onfp8", "stream")
+              for n in range(len(SUFFIXES) + 1) for suffixes in itertools.combinations(SUFFIXES, n))
 OPTIONAL = tuple(mode for mode in MODES if mode not in ("off", "on"))
-"""Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates; batched noise): in the table
+"""Modes beside off/on (the KV cache in fp8; d's streaming without in-flight updates; the suffixes): in the table
 when run, never listed as missing."""
 PARTIAL_ARGS_SH = Path(__file__).with_name("partial_args.sh")
 """Where long_tail.sh's default LONG_TAIL_ON_ARGS are written (PARTIAL_ON_ARGS)."""
@@ -84,11 +87,18 @@ def evals(path: Path) -> list[dict]:
     return [r for r in lines if "eval_accuracy" in r]
 
 
+def base_mode(mode: str) -> str:
+    """The mode without its SUFFIXES: "onfp8-batched-expandable" -> "onfp8"."""
+    for suffix in reversed(SUFFIXES):
+        mode = mode.removesuffix(suffix)
+    return mode
+
+
 def warmup(layout: str, mode: str) -> int:
     """Steps left out of a row: WARMUP, and in the asynchronous layouts d and e (grpo.max_staleness 1) with partial
     rollouts one more: request 1 is built while request 0 runs, so neither carries a group and both generate a
     whole pool."""
-    return WARMUP + 1 if layout in ASYNC and mode.removesuffix("-batched") in PARTIAL else WARMUP
+    return WARMUP + 1 if layout in ASYNC and base_mode(mode) in PARTIAL else WARMUP
 
 
 def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
@@ -170,7 +180,7 @@ def tail_numbers(results: Path) -> dict:
                 path = results / f"long_tail_{row}.jsonl"
                 n = row_numbers(steps(path), skip=warmup(layout, mode)) if path.is_file() else None
                 if n is not None:
-                    partial = mode.removesuffix("-batched") in PARTIAL
+                    partial = base_mode(mode) in PARTIAL
                     n["settings"] = settings_note(on_args.get(row), default=default) if partial else ""
                 numbers[layout, size, mode] = n
     return numbers

