@@ -24,6 +24,7 @@ MFU = FLOPs / time / peak, peak = dense bf16 of the GPU (H100/H200 SXM: 989.4 TF
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
@@ -237,7 +238,10 @@ def main() -> None:
         print(f"[bench_trainer] {name}: {json.dumps(r)}", flush=True)
 
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "gemm_tflops": ceiling, "peak": peak}, indent=1))
+        # torch's allocator settings change the reserved bytes it records: the JSON says which ran
+        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        Path(args.json).write_text(json.dumps({"results": results, "gemm_tflops": ceiling, "peak": peak,
+                                               "alloc_conf": alloc_conf}, indent=1))
 
     def pct(x):
         return f"{100 * x:.1f}%" if x is not None else "n/a"

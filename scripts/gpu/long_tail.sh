@@ -24,10 +24,11 @@
 #          Any mode may end in -batched (e.g. a-0.6B-onfp8-batched): generator.seeded_noise batched, every seeded
 #          sample's noise drawn in one kernel a step instead of vLLM V1's kernel per sample (the dense rows run on
 #          vLLM 0.26's model runner V2, which does that already: there the row runs as its plain mode), and then
-#          in -expandable (e.g. a-1.7B-off-expandable): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the
-#          run (torch's allocator maps and unmaps pages of growing segments instead of keeping blocks that the
-#          next micro-batch's shape may not fit; vLLM turns it off inside its sleep-mode pool); the summary records
-#          the row's setting as alloc_conf
+#          in -expandable (e.g. a-1.7B-off-expandable; trainer rows too: trainer-1.7B-expandable, its JSON named
+#          so): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the run (torch's allocator maps and unmaps
+#          pages of growing segments instead of keeping blocks that the next micro-batch's shape may not fit; vLLM
+#          turns it off inside its sleep-mode pool); the summary (or bench_trainer.py's JSON) records it as
+#          alloc_conf
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory (torch's
 #                    tensors, and its allocator's reserved bytes: what the micro-batches' changing shapes leave) and
@@ -95,7 +96,10 @@ launch() {
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=${row#math-}  # math-MODE: no size
   local alloc=${PYTORCH_CUDA_ALLOC_CONF:-}
-  case $mode in *-expandable) mode=${mode%-expandable}; alloc=expandable_segments:True ;; esac
+  local json=$R/long_tail_${layout}_$size.json  # a trainer row's results
+  case $mode in expandable|*-expandable)
+    mode=${mode%expandable}; mode=${mode%-}; alloc=expandable_segments:True; json=${json%.json}-expandable.json ;;
+  esac
   echo "$alloc" > "$work/$row.alloc"
   local run_env=(env CUDA_VISIBLE_DEVICES="$gpus" ${alloc:+PYTORCH_CUDA_ALLOC_CONF=$alloc})
   case $mode in *-batched) mode=${mode%-batched}; args+=(--generator.seeded_noise batched) ;; esac
@@ -136,7 +140,7 @@ launch() {
                                           --model.max_seq_len 16640 --grpo.prompts_per_step 8)
       "${run_env[@]}" timeout -k 20 "$TIMEOUT" python3 scripts/bench_trainer.py \
         --config "$(config_of "$size")" $([ "$layout" = trainer ] && echo --harness-lengths) --repeats 1 --no-write \
-        --variants "${TRAINER_VARIANTS[@]}" --json "$R/long_tail_${layout}_$size.json" "${over[@]}" \
+        --variants "${TRAINER_VARIANTS[@]}" --json "$json" "${over[@]}" \
         > "$work/$row.log" 2>&1 & ;;
     math)
       local run=$work/$row resume=()

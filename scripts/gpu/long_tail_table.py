@@ -11,6 +11,7 @@ summaries; --gpu where it has none). Reads, in each:
   long_tail_math_<mode>.jsonl              the SmolLM2 math run's metrics.jsonl (mode off/on)
   long_tail_trainer_<size>.json            scripts/bench_trainer.py's --json at the drawn lengths
   long_tail_trainer16k_<size>.json         the same with every row 16k tokens long
+  long_tail_trainer*_<size>-expandable.json  either, run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 Each row's numbers are over its steps from its warm-up on (warmup(): step 0 compiles the trainer and its first
 wave has no unfinished samples to carry; with partial rollouts in the asynchronous layouts d and e the first
 grpo.max_staleness + 1 = 2 requests carry none, and each generates a whole over-sampled pool); a row cut by the
@@ -252,13 +253,15 @@ def math_table(folders: list[Path]) -> str:
 def trainer_table(folders: list[Path]) -> str:
     rows = []
     for kind, rows_are in (("trainer", "drawn lengths (64 x 8)"), ("trainer16k", "every row 16384 + prompt (8 x 8)")):
-        for size, results in itertools.product(SIZES, folders):
-            path = results / f"long_tail_{kind}_{size}.json"
+        for size, results, suffix in itertools.product(SIZES, folders, ("", "-expandable")):
+            path = results / f"long_tail_{kind}_{size}{suffix}.json"
             if not path.is_file():
                 continue
-            for name, r in json.loads(path.read_text())["results"].items():
+            bench = json.loads(path.read_text())
+            alloc = " (expandable segments)" if "expandable_segments:True" in bench.get("alloc_conf", "") else ""
+            for name, r in bench["results"].items():
                 mfu = r.get("fwd_bwd_mfu")
-                rows.append([results.name, size, rows_are, name, f"{r['tokens']:,}", peak(r, "recompute"),
+                rows.append([results.name, size, rows_are, name + alloc, f"{r['tokens']:,}", peak(r, "recompute"),
                              peak(r, "fwd_bwd"), f"{r['fwd_bwd_tokens_per_s']:,.0f}",
                              f"{100 * mfu:.1f}%" if mfu is not None else "-"])
     if not rows:

@@ -46,13 +46,17 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
     summaries = [{"layout": "a-0.6B-on", "on_args": default},
                  {"layout": "a-0.6B-onfp8", "on_args": default.replace("over_sample 64", "over_sample 128")}]
     (first / "long_tail_summary_1.jsonl").write_text("".join(json.dumps(s) + "\n" for s in summaries))
-    # a trainer row as long_tail.sh runs it (bench_trainer.py's JSON), and one from before it recorded reserved bytes
+    # a trainer row as long_tail.sh runs it (bench_trainer.py's JSON) with expandable segments (a -expandable row),
+    # the same from before the JSON named the allocator's settings, and one from before it recorded reserved bytes
+    expandable = first / "long_tail_trainer_0.6B-expandable.json"
     bench = subprocess.run([sys.executable, "scripts/bench_trainer.py", "--config", "run_configs/cpu_tiny.toml",
                             "--repeats", "1", "--no-write", "--variants", "chunked logprobs, 32 rows", "--json",
-                            str(first / "long_tail_trainer_0.6B.json")], capture_output=True, text=True, cwd=REPO,
-                           timeout=300, env=repo_env())
+                            str(expandable)], capture_output=True, text=True, cwd=REPO, timeout=300,
+                           env=repo_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
     assert bench.returncode == 0, bench.stderr[-2000:]
-    older = json.loads((first / "long_tail_trainer_0.6B.json").read_text())
+    older = json.loads(expandable.read_text())
+    assert older.pop("alloc_conf") == "expandable_segments:True"
+    (first / "long_tail_trainer_0.6B.json").write_text(json.dumps(older))
     for r in older["results"].values():
         del r["recompute_reserved_gib"], r["fwd_bwd_reserved_gib"]
     (second / "long_tail_trainer16k_0.6B.json").write_text(json.dumps(older))
@@ -97,7 +101,9 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     for optional in ("fp8", "stream", "batched", "expandable"):
         assert optional not in missing, optional  # never listed as missing
     assert "| off | 2 | " in proc.stdout and "+0.00 standard errors of the difference: within 2" in proc.stdout
-    trainer = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if "| chunked logprobs, 32 rows |" in line]
-    assert [(r[0].strip(), r[2].strip()) for r in trainer] == [("lease1", "drawn lengths (64 x 8)"),
-                                                               ("lease2", "every row 16384 + prompt (8 x 8)")]
-    assert trainer[0][5].strip() == "0.0 (0.0)" and trainer[1][5].strip() == "0.0"  # on CPU no allocator counts
+    trainer = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if "| chunked logprobs, 32 rows" in line]
+    assert [(r[0].strip(), r[2].strip(), r[3].strip()) for r in trainer] == [
+        ("lease1", "drawn lengths (64 x 8)", "chunked logprobs, 32 rows"),
+        ("lease1", "drawn lengths (64 x 8)", "chunked logprobs, 32 rows (expandable segments)"),
+        ("lease2", "every row 16384 + prompt (8 x 8)", "chunked logprobs, 32 rows")]
+    assert trainer[0][5].strip() == "0.0 (0.0)" and trainer[2][5].strip() == "0.0"  # on CPU no allocator counts
