@@ -33,7 +33,9 @@ the tail share alone.
 A row with partial rollouts whose settings differ from scripts/gpu/partial_args.sh's (LONG_TAIL_ON_ARGS, as its
 summary records them) names the differences after it, e.g. "a-0.6B-onfp8 (over_sample 128)".
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a and e; b-off for b
-and d), as today's default runs it (a -batched row's speed-up includes the noise's). Missing rows are listed as such,
+and d), as today's default runs it (a -batched row's speed-up includes the noise's); where a row's steps trained
+more tokens than they generated (partial rollouts drawing down the pool the warm-up over-sampled), also by the
+tokens it generated a second, "(1.46x generated)": the rate a long run can hold. Missing rows are listed as such,
 so a partial run still gives its part of the table.
 """
 
@@ -187,6 +189,18 @@ def tail_numbers(results: Path) -> dict:
     return numbers
 
 
+def speedup_text(n: dict, base: dict | None) -> str:
+    """Trained tokens/s over the baseline's; where the row trained more tokens than it generated (generated /
+    trained under 1: its steps drew on a pool over-sampled before them, which a long run cannot keep doing) also
+    its generated tokens/s over the baseline's, the rate it can hold."""
+    if not base:
+        return "n/a"
+    text = f"{n['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+    if n["generated"] < 0.995:
+        text += f" ({n['tokens_per_s'] * n['generated'] / base['tokens_per_s']:.2f}x generated)"
+    return text
+
+
 def tail_table(numbers: dict) -> str:
     """One lease's rows; speed-ups against that lease's baseline only ("n/a" where it ran none)."""
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
@@ -201,7 +215,7 @@ def tail_table(numbers: dict) -> str:
                 if n is None:
                     continue
                 base = numbers[BASELINE[layout], size, "off"]
-                speedup = f"{n['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
+                speedup = speedup_text(n, base)
                 rows.append([name + n["settings"], where, n["steps"], f"{n['step_s']:.1f}", f"{n['generate_s']:.1f}",
                              f"{n['train_s']:.1f}", f"{n['tokens_per_s']:,.0f}", f"{n['generated']:.2f}", speedup,
                              f"{100 * n['tail_share']:.0f}%" + ("" if n["after_need"] is None else
@@ -289,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     body = ("Rows of scripts/gpu/long_tail.sh, a table per machine lease (speed-ups within it): "
             "run_configs/qwen3_<size>_long_tail.toml (random weights, 64 prompts x 8, log-normal response lengths, "
             f"median 1500, p90 5000, cap 8192), steps from {WARMUP} on ({WARMUP + 1} on for d and e rows with partial "
-            f"rollouts; n*: a row cut before then, warm-up only). {TARGETS}\n\n"
+            f"rollouts; n*: a row cut before then, warm-up only). x sync: trained tokens/s over the baseline's and, "
+            "where a row trained more tokens than it generated (drawing on the pool its warm-up over-sampled), by "
+            f"generated tokens/s in brackets. {TARGETS}\n\n"
             + leases_tables(args.results, gpu=args.gpu) + "\n" + trainer_table(args.results) + "\n"
             + math_table(args.results))
     if args.write:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, repo_env, run_cli
+from tests.helpers import REPO, load_script, repo_env, run_cli
 
 TABLE = REPO / "scripts" / "gpu" / "long_tail_table.py"
 
@@ -107,3 +107,13 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
         ("lease1", "drawn lengths (64 x 8)", "chunked logprobs, 32 rows (expandable segments)"),
         ("lease2", "every row 16384 + prompt (8 x 8)", "chunked logprobs, 32 rows")]
     assert trainer[0][5].strip() == "0.0 (0.0)" and trainer[2][5].strip() == "0.0"  # on CPU no allocator counts
+
+
+def test_a_row_that_trained_more_than_it_generated_is_also_compared_by_what_it_generated():
+    speedup_text = load_script("scripts/gpu/long_tail_table.py").speedup_text
+    base = {"tokens_per_s": 9809.0, "generated": 1.0}
+    # d-1.7B-onfp8 on lease 20261129T1600_h200x2: steps 2-4 trained 3.81M tokens, generated 3.34M
+    assert speedup_text({"tokens_per_s": 16370.0, "generated": 0.877}, base) == "1.67x (1.46x generated)"
+    assert speedup_text({"tokens_per_s": 9809.0, "generated": 1.0}, base) == "1.00x"
+    assert speedup_text({"tokens_per_s": 9000.0, "generated": 2.4}, base) == "0.92x"  # wasted tokens: trained counts
+    assert speedup_text({"tokens_per_s": 9000.0, "generated": 0.9}, None) == "n/a"
