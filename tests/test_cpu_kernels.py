@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, repo_env
 
 PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
@@ -21,7 +21,7 @@ PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 @pytest.mark.slow
 @pytest.mark.skipif(all(os.environ.get(k) == v for k, v in PINNED.items()), reason="this run is already pinned")
 def test_bf16_tolerances_hold_with_avx2_kernels():
-    env = {**os.environ, **PINNED, "PYTHONPATH": str(REPO)}
+    env = repo_env(**PINNED)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "bf16_numerics", "tests"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

@@ -64,7 +64,9 @@ ASYNC = ("d", "e")
 OPTIONAL_LAYOUTS = ("e",)
 """Layouts beside the issue's a/b/d (e: a's GPU, generation overlapping training): never listed as missing."""
 SIZES = ("0.6B", "1.7B")
-SUFFIXES = ("-batched", "-expandable")
+EXPANDABLE = "-expandable"
+"""The suffix of a row run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (a trainer row's JSON too)."""
+SUFFIXES = ("-batched", EXPANDABLE)
 """A mode's suffixes, in this order: -batched draws every seeded sample's noise in one kernel a step
 (generator.seeded_noise); -expandable runs torch's allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF)."""
 MODES = tuple(mode + "".join(suffixes) for mode in ("off", "on", "fp8", "onfp8", "stream")
@@ -267,7 +269,7 @@ def math_table(folders: list[Path]) -> str:
 def trainer_table(folders: list[Path]) -> str:
     rows = []
     for kind, rows_are in (("trainer", "drawn lengths (64 x 8)"), ("trainer16k", "every row 16384 + prompt (8 x 8)")):
-        for size, results, suffix in itertools.product(SIZES, folders, ("", "-expandable")):
+        for size, results, suffix in itertools.product(SIZES, folders, ("", EXPANDABLE)):
             path = results / f"long_tail_{kind}_{size}{suffix}.json"
             if not path.is_file():
                 continue

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO, repo_env
+
 SCRIPT = REPO / "scripts" / "gpu" / "long_tail.sh"
 NVIDIA_SMI = """#!/bin/bash
 case "$*" in
@@ -37,11 +38,12 @@ def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.Comple
     smi = bin_dir / "nvidia-smi"
     smi.write_text(NVIDIA_SMI)
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / out),
-           "LONG_TAIL_WORK": str(tmp_path / "work"), "LONG_TAIL_ARGS": CPU, "LONG_TAIL_ON_ARGS": ON,
-           "ROWS": "d-0.6B-stream", "LONG_TAIL_STEPS": str(steps), "LONG_TAIL_CHECKPOINT": "1",
-           "PYTHONPATH": str(REPO), "PYTORCH_CUDA_ALLOC_CONF": "", **env}
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    settings = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "OUT": str(tmp_path / out),
+                "LONG_TAIL_WORK": str(tmp_path / "work"), "LONG_TAIL_ARGS": CPU, "LONG_TAIL_ON_ARGS": ON,
+                "ROWS": "d-0.6B-stream", "LONG_TAIL_STEPS": str(steps), "LONG_TAIL_CHECKPOINT": "1",
+                "PYTORCH_CUDA_ALLOC_CONF": "", **env}
+    proc = subprocess.run(["bash", str(SCRIPT)], env=repo_env(**settings), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -63,7 +65,8 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     config = (tmp_path / "work" / "e-0.6B-on-batched-expandable" / "latest" / "config.toml").read_text()
     for setting in ('seeded_noise = "batched"', "overlap_training = true", "max_staleness = 1", "max_token_age = 3"):
         assert setting in config, setting
-    new = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_e-0.6B-on-batched-expandable.jsonl").open()]
+    new_row = tmp_path / "out2" / "r" / "long_tail_e-0.6B-on-batched-expandable.jsonl"
+    new = [json.loads(line) for line in new_row.open()]
     assert [r["step"] for r in new if "step_s" in r] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (tmp_path / "work" / "d-0.6B-stream").glob("run-*")) == ["run-1"]
     lines = [json.loads(line) for line in (tmp_path / "out2" / "r" / "long_tail_d-0.6B-stream.jsonl").open()]
@@ -77,8 +80,8 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5],
                                                             "e-0.6B-on-batched-expandable": [2, 5]}
     # the row's allocator setting (torch reads it on CUDA only), as the summary records it
-    assert {s["layout"]: s["alloc_conf"] for s in summary} == {"d-0.6B-stream": "",
-                                                               "e-0.6B-on-batched-expandable": "expandable_segments:True"}
+    assert {s["layout"]: s["alloc_conf"] for s in summary} == {
+        "d-0.6B-stream": "", "e-0.6B-on-batched-expandable": "expandable_segments:True"}
     table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
     # named with the partial settings this test gives it apart from partial_args.sh's (its summary's on_args)
     row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream (over_sample 4) |"))
