@@ -18,7 +18,8 @@
 # SIZES_PORT (29561) let two of these share a machine of four GPUs. SIZES_CAP_GIB (e.g. 79.2) runs each process as on
 # a GPU of that size (scripts/gpu/capped.py: an 80 GB row on an H200; the memory it holds beyond the cap is left out
 # of the row's peaks). SIZES_TAG names the rows of the call (e.g.
-# auto, hand) in sizes.jsonl. A PYTORCH_CUDA_ALLOC_CONF set for the call reaches every row; its args record it. Multi-GPU rows run under python -m torchtitan_rl.launch: one line when a rank fails.
+# auto, hand) in sizes.jsonl. A PYTORCH_CUDA_ALLOC_CONF set for the call reaches every row; its args record it.
+# Multi-GPU rows run under python -m torchtitan_rl.launch: one line when a rank fails.
 # After the stash call of docs/gpu.md, each call under 10 minutes:
 #   run(kind="nvidia-h100-x2", carry=[".gpu/b"], command="source .gpu/b/install.sh && SIZES_ROWS='4B:a:weights 4B:b:weights' bash scripts/gpu/sizes.sh")
 # Writes $OUT/sizes.jsonl (one JSON line per row, appended), $OUT/sizes_<row>.log (the tail of a failed row's log)
