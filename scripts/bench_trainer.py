@@ -32,7 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from torchtitan_rl.run.startup import allocator_defaults
+
+allocator_defaults()  # before torch's import: the allocator as simple_grpo runs the trainer
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import synchronize, table, write_section  # noqa: E402
@@ -239,7 +243,7 @@ def main() -> None:
 
     if args.json:
         # torch's allocator settings change the reserved bytes it records: the JSON says which ran
-        alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        alloc_conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
         Path(args.json).write_text(json.dumps({"results": results, "gemm_tflops": ceiling, "peak": peak,
                                                "alloc_conf": alloc_conf}, indent=1))
 

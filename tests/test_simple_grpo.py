@@ -9,12 +9,14 @@ leave margin for other kernels or thread counts.
 import gc
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, not_measured, run_cli
+from tests.helpers import BF16_MISMATCH_MEAN, assert_one_line_error, not_measured, repo_env, run_cli
 from torchtitan_rl import simple_grpo
 from torchtitan_rl.config import JobConfig, load_toml, validate
 from torchtitan_rl.rollout.base import Rollouts
@@ -380,3 +382,20 @@ def test_cli_digits_on_a_pretrained_checkpoint_is_one_line_and_exit_2(tmp_path, 
         proc, "grpo.task 'digits': its tokenizer (16 token ids) is not the tokenizer of model.hf_checkpoint",
         prefix="torchtitan_rl: error: ",
     )
+
+
+@pytest.mark.parametrize("given, in_force", [(None, "expandable_segments:True"), ("", "")])
+def test_a_run_gives_torch_expandable_segments_before_importing_it_unless_the_environment_says_otherwise(
+        tmp_path, given, in_force):
+    """run/startup.py's CUDA_ALLOC_CONF: torch reads PYTORCH_CUDA_ALLOC_CONF once, so simple_grpo sets it before
+    torch is imported (and its ranks' and engine's processes inherit it); one the user set, even empty, stays."""
+    code = ("import os, sys; from torchtitan_rl import simple_grpo; assert 'torch' not in sys.modules; "
+            "simple_grpo.main(sys.argv[1:]); print(repr(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')))")
+    env = repo_env()
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if given is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = given
+    proc = subprocess.run([sys.executable, "-c", code, "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
+                           "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == repr(in_force)

@@ -6,7 +6,7 @@ runs (docs/design.md, "The loop's layouts"), and the step body is the same for a
 inside ``train`` so that --help and config errors are instant.
 """
 
-from torchtitan_rl.run.startup import starting_up
+from torchtitan_rl.run.startup import allocator_defaults, starting_up
 
 if __name__ == "__main__":  # a Ctrl-C while the modules import is one line, not a KeyboardInterrupt traceback
     starting_up()
@@ -28,6 +28,7 @@ DRY_RUN_TOML = "dry-run.toml"
 
 
 def main(argv: list[str] | None = None) -> None:
+    allocator_defaults()  # torch is not imported yet (train imports it)
     cfg = parse_args(argv)  # exits 2 with one "config error: ..." line on bad input
     if cfg.dry_run:  # not config.toml: a folder holding one is a run folder to --resume (run/folder.py, run_to_resume)
         path = Path(cfg.job.output_dir) / DRY_RUN_TOML

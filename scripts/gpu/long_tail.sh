@@ -25,10 +25,10 @@
 #          sample's noise drawn in one kernel a step instead of vLLM V1's kernel per sample (the dense rows run on
 #          vLLM 0.26's model runner V2, which does that already: there the row runs as its plain mode), and then
 #          in -expandable (e.g. a-1.7B-off-expandable; trainer rows too: trainer-1.7B-expandable, its JSON named
-#          so): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the run (torch's allocator maps and unmaps
-#          pages of growing segments instead of keeping blocks that the next micro-batch's shape may not fit; vLLM
-#          turns it off inside its sleep-mode pool); the summary (or bench_trainer.py's JSON) records it as
-#          alloc_conf
+#          so): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the run whatever the call's environment says.
+#          Since 2026-11-29 that is every run's default (run/startup.py's CUDA_ALLOC_CONF, where the variable is
+#          unset; PYTORCH_CUDA_ALLOC_CONF= for the call runs torch's own settings); the summary (or
+#          bench_trainer.py's JSON) records the setting a row ran under as alloc_conf
 # and three more kinds of row:
 #   trainer-SIZE     scripts/bench_trainer.py on that config with the harness's drawn lengths: peak memory (torch's
 #                    tensors, and its allocator's reserved bytes: what the micro-batches' changing shapes leave) and
@@ -69,6 +69,7 @@ R=$OUT/r
 mkdir -p "$R"
 stamp=$(date -u +%Y%m%dT%H%M%S)  # each call's summary file keeps its own name in its lease's folder
 STEPS=${LONG_TAIL_STEPS:-3}
+DEFAULT_ALLOC=$(python3 -c "from torchtitan_rl.run.startup import CUDA_ALLOC_CONF; print(CUDA_ALLOC_CONF)")
 TIMEOUT=${LONG_TAIL_TIMEOUT_S:-540}
 source scripts/gpu/partial_args.sh  # multi_gpu_env.sh made the repository root the working folder
 ON_ARGS=${LONG_TAIL_ON_ARGS-$PARTIAL_ON_ARGS}
@@ -95,7 +96,7 @@ launch() {
   gpus=$(seq -s, "$first" $((first + ngpus - 1)))
   echo "$gpus" > "$work/$row.gpus"; date +%s > "$work/$row.start"
   [ "$layout" = math ] && mode=${row#math-}  # math-MODE: no size
-  local alloc=${PYTORCH_CUDA_ALLOC_CONF:-}
+  local alloc=${PYTORCH_CUDA_ALLOC_CONF-$DEFAULT_ALLOC}  # what simple_grpo and bench_trainer.py run under
   local json=$R/long_tail_${layout}_$size.json  # a trainer row's results
   case $mode in expandable|*-expandable)
     mode=${mode%expandable}; mode=${mode%-}; alloc=expandable_segments:True; json=${json%.json}-expandable.json ;;

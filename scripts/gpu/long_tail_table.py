@@ -31,7 +31,8 @@ few sequences run: far below the rest, the step's fixed costs or a kernel the sm
 to finish (grpo.partial.max_token_age) or the token budget (gen_after_need_s); rows logged before the metric show
 the tail share alone.
 A row with partial rollouts whose settings differ from scripts/gpu/partial_args.sh's (LONG_TAIL_ON_ARGS, as its
-summary records them) names the differences after it, e.g. "a-0.6B-onfp8 (over_sample 128)".
+summary records them) names the differences after it, e.g. "a-0.6B-onfp8 (over_sample 128)", and a row run with
+torch's allocator in expandable segments (every run's default since 2026-11-29) says so unless its name does.
 Speed-up: against the synchronous colocated row of the same size and GPU count (a-off for a and e; b-off for b
 and d), as today's default runs it (a -batched row's speed-up includes the noise's); where a row's steps trained
 more tokens than they generated (partial rollouts drawing down the pool the warm-up over-sampled), also by the
@@ -148,14 +149,21 @@ def flag_values(args: str) -> dict[str, str]:
     return dict(zip(words[::2], words[1::2]))
 
 
-def on_args_of(results: Path) -> dict[str, str]:
-    """Row name -> the LONG_TAIL_ON_ARGS its summary records (a row run twice in a lease: its last call's)."""
+def summary_values(results: Path, key: str) -> dict[str, str]:
+    """Row name -> what its summary records under ``key`` (on_args: the LONG_TAIL_ON_ARGS; alloc_conf: torch's
+    allocator setting), for the rows whose summaries have it (a row run twice in a lease: its last call's)."""
     got = {}
     for path in sorted(results.glob("long_tail_summary_*.jsonl")):
         for line in path.read_text().splitlines():
-            if line.strip() and "on_args" in (summary := json.loads(line)):
-                got[summary["layout"]] = summary["on_args"]
+            if line.strip() and key in (summary := json.loads(line)):
+                got[summary["layout"]] = summary[key]
     return got
+
+
+def alloc_note(alloc_conf: str, *, named: bool = False) -> str:
+    """" (expandable segments)" after a row run with them (run/startup.py's default since 2026-11-29) whose name
+    does not say so already (``named``: its -expandable suffix)."""
+    return " (expandable segments)" if "expandable_segments:True" in alloc_conf and not named else ""
 
 
 def default_on_args() -> dict[str, str]:
@@ -176,8 +184,9 @@ def settings_note(on_args: str | None, *, default: dict[str, str]) -> str:
 
 def tail_numbers(results: Path) -> dict:
     """(layout, size, mode) -> the row's numbers (row_numbers) and the settings note of a row with partial rollouts
-    (settings_note), None where the folder has no such row."""
-    numbers, on_args, default = {}, on_args_of(results), default_on_args()
+    (settings_note) and its allocator's (alloc_note), None where the folder has no such row."""
+    numbers, default = {}, default_on_args()
+    on_args, alloc = summary_values(results, "on_args"), summary_values(results, "alloc_conf")
     for layout in LAYOUTS:
         for size in SIZES:
             for mode in MODES:
@@ -186,7 +195,8 @@ def tail_numbers(results: Path) -> dict:
                 n = row_numbers(steps(path), skip=warmup(layout, mode)) if path.is_file() else None
                 if n is not None:
                     partial = base_mode(mode) in PARTIAL
-                    n["settings"] = settings_note(on_args.get(row), default=default) if partial else ""
+                    n["settings"] = ((settings_note(on_args.get(row), default=default) if partial else "")
+                                     + alloc_note(alloc.get(row, ""), named=mode.endswith(EXPANDABLE)))
                 numbers[layout, size, mode] = n
     return numbers
 
@@ -274,10 +284,9 @@ def trainer_table(folders: list[Path]) -> str:
             if not path.is_file():
                 continue
             bench = json.loads(path.read_text())
-            alloc = " (expandable segments)" if "expandable_segments:True" in bench.get("alloc_conf", "") else ""
             for name, r in bench["results"].items():
                 mfu = r.get("fwd_bwd_mfu")
-                rows.append([results.name, size, rows_are, name + alloc, f"{r['tokens']:,}", peak(r, "recompute"),
+                rows.append([results.name, size, rows_are, name + alloc_note(bench.get("alloc_conf", "")), f"{r['tokens']:,}", peak(r, "recompute"),
                              peak(r, "fwd_bwd"), f"{r['fwd_bwd_tokens_per_s']:,.0f}",
                              f"{100 * mfu:.1f}%" if mfu is not None else "-"])
     if not rows:

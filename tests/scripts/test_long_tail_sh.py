@@ -32,7 +32,7 @@ ON = ("--grpo.partial.enable true --grpo.partial.over_sample 4 --grpo.partial.ma
       "--grpo.importance_correction truncate")
 
 
-def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.CompletedProcess:
+def _call(tmp_path: Path, out: str, steps: int, **env: str | None) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     smi = bin_dir / "nvidia-smi"
@@ -42,8 +42,10 @@ def _call(tmp_path: Path, out: str, steps: int, **env: str) -> subprocess.Comple
                 "LONG_TAIL_WORK": str(tmp_path / "work"), "LONG_TAIL_ARGS": CPU, "LONG_TAIL_ON_ARGS": ON,
                 "ROWS": "d-0.6B-stream", "LONG_TAIL_STEPS": str(steps), "LONG_TAIL_CHECKPOINT": "1",
                 "PYTORCH_CUDA_ALLOC_CONF": "", **env}
-    proc = subprocess.run(["bash", str(SCRIPT)], env=repo_env(**settings), capture_output=True, text=True,
-                          timeout=600)
+    child = repo_env(**{key: value for key, value in settings.items() if value is not None})
+    for key in (key for key, value in settings.items() if value is None):  # None: unset
+        child.pop(key, None)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=child, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -54,8 +56,9 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     assert "=== d-0.6B-stream: exit 0" in first.stdout
     # the second call also starts a row the first had not: with nothing to resume it starts a run; it saves no
     # checkpoint (docs/gpu.md's recipe: in layout d a checkpoint waits for the request in flight)
+    # the first call ran torch's own allocator settings (PYTORCH_CUDA_ALLOC_CONF empty); this one leaves them unset
     second = _call(tmp_path, "out2", steps=5, LONG_TAIL_RESUME="1", LONG_TAIL_CHECKPOINT="0",
-                   ROWS="d-0.6B-stream+e-0.6B-on-batched-expandable a-0.6B-stream")
+                   ROWS="d-0.6B-stream+e-0.6B-on-batched-expandable a-0.6B-stream", PYTORCH_CUDA_ALLOC_CONF=None)
     assert "row a-0.6B-stream: unknown mode 'stream' for layout a" in second.stdout
     log = (tmp_path / "work" / "d-0.6B-stream.log").read_text()
     assert "torchtitan_rl: resuming" in log and "trainer.checkpoint.enable True -> False" in log
@@ -79,9 +82,13 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     # partial rollouts in the asynchronous layouts d and e: steps 0 and 1 are warm-up
     assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5],
                                                             "e-0.6B-on-batched-expandable": [2, 5]}
-    # the row's allocator setting (torch reads it on CUDA only), as the summary records it
+    # the row's allocator setting (torch reads it on CUDA only), as the summary records it: the default
+    # (run/startup.py's) where the call left it unset, torch's own where it set it empty
     assert {s["layout"]: s["alloc_conf"] for s in summary} == {
-        "d-0.6B-stream": "", "e-0.6B-on-batched-expandable": "expandable_segments:True"}
+        "d-0.6B-stream": "expandable_segments:True", "e-0.6B-on-batched-expandable": "expandable_segments:True"}
+    first_summary = [json.loads(line) for p in (tmp_path / "out1" / "r").glob("long_tail_summary_*.jsonl")
+                     for line in p.open()]
+    assert [s["alloc_conf"] for s in first_summary] == [""]
     table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
     # named with the partial settings this test gives it apart from partial_args.sh's (its summary's on_args)
     row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream (over_sample 4) |"))

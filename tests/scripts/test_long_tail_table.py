@@ -43,16 +43,22 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
     # one row that ran with more over-sampling
     default = subprocess.run(["bash", "-c", "source scripts/gpu/partial_args.sh && echo $PARTIAL_ON_ARGS"],
                              capture_output=True, text=True, cwd=REPO, check=True).stdout.strip()
-    summaries = [{"layout": "a-0.6B-on", "on_args": default},
-                 {"layout": "a-0.6B-onfp8", "on_args": default.replace("over_sample 64", "over_sample 128")}]
+    # and the allocator setting they record: torch's own (an older row), the default since 2026-11-29 (expandable
+    # segments), and a row named for it
+    summaries = [{"layout": "a-0.6B-on", "on_args": default, "alloc_conf": ""},
+                 {"layout": "a-0.6B-onfp8", "on_args": default.replace("over_sample 64", "over_sample 128"),
+                  "alloc_conf": "expandable_segments:True"},
+                 {"layout": "d-0.6B-stream-batched-expandable", "alloc_conf": "expandable_segments:True"}]
     (first / "long_tail_summary_1.jsonl").write_text("".join(json.dumps(s) + "\n" for s in summaries))
-    # a trainer row as long_tail.sh runs it (bench_trainer.py's JSON) with expandable segments (a -expandable row),
-    # the same from before the JSON named the allocator's settings, and one from before it recorded reserved bytes
+    # a trainer row as long_tail.sh runs it (bench_trainer.py's JSON) with expandable segments (bench_trainer.py's
+    # default where PYTORCH_CUDA_ALLOC_CONF is unset, as simple_grpo's), the same from before the JSON named the
+    # allocator's settings, and one from before it recorded reserved bytes
     expandable = first / "long_tail_trainer_0.6B-expandable.json"
+    env = repo_env()
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     bench = subprocess.run([sys.executable, "scripts/bench_trainer.py", "--config", "run_configs/cpu_tiny.toml",
                             "--repeats", "1", "--no-write", "--variants", "chunked logprobs, 32 rows", "--json",
-                            str(expandable)], capture_output=True, text=True, cwd=REPO, timeout=300,
-                           env=repo_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
+                            str(expandable)], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert bench.returncode == 0, bench.stderr[-2000:]
     older = json.loads(expandable.read_text())
     assert older.pop("alloc_conf") == "expandable_segments:True"
@@ -77,8 +83,9 @@ def test_table_rows_speedups_missing_rows_and_the_math_verdict(results):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in first.splitlines() if line.startswith("| a-") or line.startswith("| d-")}
     # fp8, stream, batched-noise and expandable-segments rows: shown when run; a row's settings apart from
-    # partial_args.sh's: named
-    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on", "a-0.6B-onfp8 (over_sample 128)", "d-0.6B-stream",
+    # partial_args.sh's, and expandable segments where its name does not say so: named
+    assert set(rows) == {"a-0.6B-off", "a-0.6B-on", "d-0.6B-on",
+                         "a-0.6B-onfp8 (over_sample 128) (expandable segments)", "d-0.6B-stream",
                          "a-0.6B-onfp8-batched", "d-0.6B-stream-batched-expandable"}
     # a lease compares its rows with its own baseline only: lease2 ran no a-off
     fp8 = next(line for line in second.splitlines() if line.startswith("| a-0.6B-fp8 |"))
