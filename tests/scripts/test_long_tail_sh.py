@@ -90,7 +90,9 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
                      for line in p.open()]
     assert [s["alloc_conf"] for s in first_summary] == [""]
     table = (tmp_path / "out2" / "benchmarks.md").read_text()  # the call's own file, not the repository's
-    # named with the partial settings this test gives it apart from partial_args.sh's (its summary's on_args)
-    row = next(line for line in table.splitlines() if line.startswith("| d-0.6B-stream (over_sample 4) |"))
+    # named with the partial settings this test gives it apart from partial_args.sh's (its summary's on_args), and
+    # with the allocator's default it ran under
+    row = next(line for line in table.splitlines()
+               if line.startswith("| d-0.6B-stream (over_sample 4) (expandable segments) |"))
     assert row.split("|")[3].strip() == "3"  # steps 2, 3 and 4
     assert (tmp_path / "out2" / "long_tail.tgz").stat().st_size > 0
