@@ -64,7 +64,7 @@ launch() {
   local name=$1 gpu=$2; shift 2
   echo "$(date -u +%FT%TZ) launch $name on GPU $gpu $*" | tee -a "$RUNS/$name.log"
   # shellcheck disable=SC2046
-  CUDA_VISIBLE_DEVICES=$gpu PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True setsid nohup python3 -m \
+  CUDA_VISIBLE_DEVICES=$gpu setsid nohup python3 -m \
     torchtitan_rl.simple_grpo $(cat "$RUNS/$name.args") "$@" >> "$RUNS/$name.log" 2>&1 < /dev/null &
   echo $! > "$RUNS/$name.pid"
   echo "$gpu" > "$RUNS/$name.gpu"

@@ -6,6 +6,9 @@ forward) from the trainer's settings, and the engine: its weights and KV-cache b
 CUDA graphs while it sleeps. The activation terms are upper bounds of torchtitan's eager decoder measured on CPU
 (tests/trainer/test_memory_estimate.py); a run it admits may still meet CUDA's refusal (fragmentation, kernels'
 workspaces), which ``one_line_oom`` turns into the same one line. run/fit.py changes a config until it fits.
+The estimate counts tensors, not the blocks torch's allocator keeps reserved between them: training processes run
+it with expandable segments (run/startup.py), where its default kept blocks of earlier micro-batches' shapes that
+outgrew the recompute's own tensors (docs/benchmarks.md, "The long tail (cuda)").
 """
 
 import contextlib
