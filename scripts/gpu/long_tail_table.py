@@ -284,9 +284,10 @@ def trainer_table(folders: list[Path]) -> str:
             if not path.is_file():
                 continue
             bench = json.loads(path.read_text())
+            alloc = alloc_note(bench.get("alloc_conf", ""))
             for name, r in bench["results"].items():
                 mfu = r.get("fwd_bwd_mfu")
-                rows.append([results.name, size, rows_are, name + alloc_note(bench.get("alloc_conf", "")), f"{r['tokens']:,}", peak(r, "recompute"),
+                rows.append([results.name, size, rows_are, name + alloc, f"{r['tokens']:,}", peak(r, "recompute"),
                              peak(r, "fwd_bwd"), f"{r['fwd_bwd_tokens_per_s']:,.0f}",
                              f"{100 * mfu:.1f}%" if mfu is not None else "-"])
     if not rows:
