@@ -24,7 +24,6 @@ MFU = FLOPs / time / peak, peak = dense bf16 of the GPU (H100/H200 SXM: 989.4 TF
 import argparse
 import gc
 import json
-import os
 import random
 import statistics
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from torchtitan_rl.run.startup import allocator_defaults
 
-allocator_defaults()  # before torch's import: the allocator as simple_grpo runs the trainer
+ALLOC_CONF = allocator_defaults()  # before torch's import: the allocator as simple_grpo runs the trainer
 
 import torch  # noqa: E402
 
@@ -243,9 +242,8 @@ def main() -> None:
 
     if args.json:
         # torch's allocator settings change the reserved bytes it records: the JSON says which ran
-        alloc_conf = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
         Path(args.json).write_text(json.dumps({"results": results, "gemm_tflops": ceiling, "peak": peak,
-                                               "alloc_conf": alloc_conf}, indent=1))
+                                               "alloc_conf": ALLOC_CONF}, indent=1))
 
     def pct(x):
         return f"{100 * x:.1f}%" if x is not None else "n/a"

@@ -183,10 +183,11 @@ def assert_within_noise(check: LogprobCheck, *, misses=()) -> None:
 # ------------------------------------------------------------- the CLI as a user runs it
 
 
-def repo_env(**extra: str) -> dict[str, str]:
+def repo_env(**extra: str | None) -> dict[str, str]:
     """This process's environment with PYTHONPATH this tree (a child imports this checkout's package, not an
-    installed one), plus ``extra``."""
-    return {**os.environ, "PYTHONPATH": str(REPO), **extra}
+    installed one), plus ``extra``; a variable given as None is left out (unset in the child)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **extra}
+    return {key: value for key, value in env.items() if value is not None}
 
 
 def run_module(module, *args, world_size=None, cwd=None, timeout=60):

@@ -202,8 +202,7 @@ def test_torchrun_itself_adds_its_report_and_traceback(tmp_path):
 
 @pytest.mark.slow  # a real engine's start-up: ~15 s
 def test_sigterm_to_a_single_process_run_is_one_line_exit_143(tmp_path):
-    env = repo_env()
-    env.pop("WORLD_SIZE", None)
+    env = repo_env(WORLD_SIZE=None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
          str(tmp_path), "--grpo.prompts_per_step", "8", "--trainer.steps", "500"],
@@ -262,8 +261,7 @@ def _lines_with_times(proc: subprocess.Popen) -> tuple[list[tuple[float, str]], 
 def test_a_finished_run_exits_within_2_s_of_its_last_line(tmp_path):
     """The summary line is the last thing a run does: the engine shuts down before it, and the interpreter's
     teardown (3.9 s on this machine before: vLLM's and torch's finalizers) is skipped (run/exits.py)."""
-    env = repo_env()
-    env.pop("WORLD_SIZE", None)
+    env = repo_env(WORLD_SIZE=None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_rl.simple_grpo", "--config", str(CPU_TINY), "--job.output_dir",
          str(tmp_path), "--grpo.prompts_per_step", "8", "--trainer.steps", "2"],

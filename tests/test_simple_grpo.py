@@ -391,10 +391,9 @@ def test_a_run_gives_torch_expandable_segments_before_importing_it_unless_the_en
             "simple_grpo.main(sys.argv[1:]); print(repr(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))); "
             "os.environ['PYTORCH_CUDA_ALLOC_CONF'] = ''; "
             "simple_grpo.main(sys.argv[1:]); print(repr(os.environ.get('PYTORCH_CUDA_ALLOC_CONF')))")
-    env = repo_env()
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     proc = subprocess.run([sys.executable, "-c", code, "--config", str(CPU_TINY), "--job.output_dir", str(tmp_path),
-                           "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+                           "--dry-run"], env=repo_env(PYTORCH_CUDA_ALLOC_CONF=None), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = [line for line in proc.stdout.splitlines() if not line.startswith("torchtitan_rl:")]
     assert printed == ["'expandable_segments:True'", "''"], proc.stdout

@@ -42,10 +42,8 @@ def _call(tmp_path: Path, out: str, steps: int, **env: str | None) -> subprocess
                 "LONG_TAIL_WORK": str(tmp_path / "work"), "LONG_TAIL_ARGS": CPU, "LONG_TAIL_ON_ARGS": ON,
                 "ROWS": "d-0.6B-stream", "LONG_TAIL_STEPS": str(steps), "LONG_TAIL_CHECKPOINT": "1",
                 "PYTORCH_CUDA_ALLOC_CONF": "", **env}
-    child = repo_env(**{key: value for key, value in settings.items() if value is not None})
-    for key in (key for key, value in settings.items() if value is None):  # None: unset
-        child.pop(key, None)
-    proc = subprocess.run(["bash", str(SCRIPT)], env=child, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", str(SCRIPT)], env=repo_env(**settings), capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

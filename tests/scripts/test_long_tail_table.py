@@ -54,11 +54,10 @@ def results(tmp_path_factory, smollm2_dir) -> Path:
     # default where PYTORCH_CUDA_ALLOC_CONF is unset, as simple_grpo's), the same from before the JSON named the
     # allocator's settings, and one from before it recorded reserved bytes
     expandable = first / "long_tail_trainer_0.6B-expandable.json"
-    env = repo_env()
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     bench = subprocess.run([sys.executable, "scripts/bench_trainer.py", "--config", "run_configs/cpu_tiny.toml",
                             "--repeats", "1", "--no-write", "--variants", "chunked logprobs, 32 rows", "--json",
-                            str(expandable)], capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+                            str(expandable)], capture_output=True, text=True, cwd=REPO, timeout=300,
+                           env=repo_env(PYTORCH_CUDA_ALLOC_CONF=None))
     assert bench.returncode == 0, bench.stderr[-2000:]
     older = json.loads(expandable.read_text())
     assert older.pop("alloc_conf") == "expandable_segments:True"
