@@ -43,6 +43,11 @@ def test_each_sample_runs_to_its_drawn_length_whatever_the_blocks(engine):
     joined = Rollouts.concat(parts)
     assert [len(c) for c in joined.completion_ids] == drawn
     assert joined.trace.sequences == 12 and joined.trace.iterations == sum(p.trace.iterations for p in parts)
+    # The blocks' step loops: the request waits for the slower one, whose wall the merge keeps.
+    loops = [p.trace.wall_s for p in parts]
+    assert [p.trace.slowest_s for p in parts] == loops and [p.trace.engine_balance for p in parts] == [1.0, 1.0]
+    assert joined.trace.engines == 2 and joined.trace.slowest_s == max(loops)
+    assert joined.trace.engine_balance == pytest.approx(sum(loops) / 2 / max(loops)) and joined.trace.engine_balance < 1
 
 
 def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
@@ -57,7 +62,8 @@ def test_the_trace_shows_the_tail_of_drawn_lengths_and_none_without_one(engine):
                            lengths=HarnessLengthsConfig(distribution="lognormal", median=30, p90=31)).trace
     assert even.tail_iterations <= 3 and even.batch_fill > 0.7 > tail.batch_fill
     assert set(tail.metrics()) == {"gen_tail_share", "gen_tail_s", "gen_batch_fill", "gen_preemptions",
-                                   "gen_iterations", "gen_tail_iterations", "gen_after_need_s", "gen_kv_read_gb",
+                                   "gen_iterations", "gen_tail_iterations", "gen_after_need_s",
+                                   "gen_engine_balance", "gen_kv_read_gb",
                                    "gen_kv_read_tb_per_s", "gen_tail_kv_read_tb_per_s"}
     assert tail.metrics()["gen_tail_iterations"] == tail.tail_iterations
     assert tail.after_need_s == 0 == tail.after_need_iterations  # no partial request: no groups it needs

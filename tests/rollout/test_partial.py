@@ -11,6 +11,7 @@ import pytest
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.engine.rollouts import Rollouts
 from torchtitan_rl.grpo.tasks.base import Prompt
+from torchtitan_rl.rollout.base import prompt_blocks
 from torchtitan_rl.rollout.partial import UnfinishedBuffer
 
 G = 2
@@ -77,6 +78,30 @@ def test_the_oldest_finished_groups_train_and_the_rest_wait_with_their_tokens():
     assert [p.target for p in prompts] == [10, 13]
     assert batch.versions[1] == [0, 0, 0, 1, 1] and batch.logprobs[1] == [-1.0] * 3 + [-2.0] * 2
     assert batch.generated == 4 and buffer.stats["partial_due_groups"] == 1
+
+
+def test_two_engines_each_get_a_share_of_the_carried_groups_and_the_oldest_finished_train():
+    # Colocated on two ranks, each engine generates a contiguous block of the request (prompt_blocks): oldest
+    # first, the first engine would get every carried group (the long samples) and wait for them alone.
+    buffer = UnfinishedBuffer(_cfg(prompts=2, over=2, age=3), engines=2)
+    pool, ask = buffer.request(0, _prompts(10, 11, 12, 13), seed=0)
+    assert [g.number for g in pool.groups] == [0, 2, 1, 3] and ask["partial"].groups == [0, 2, 1, 3]
+    assert ask["prompts"] == [[1, 10], [1, 12], [1, 11], [1, 13]]
+    # Groups 2 and 3 finish; 0 and 1 are cut after 3 tokens.
+    prompts, _ = buffer.take(pool, _answer(ask["partial"], version=0, grow={b: 3 for b in range(8)},
+                                           done={2, 3, 6, 7}))
+    assert [p.target for p in prompts] == [12, 13] and [g.number for g in buffer.groups] == [0, 1]
+    pool, ask = buffer.request(1, _prompts(14, 15), seed=0)
+    assert [g.number for g in pool.groups] == [0, 4, 1, 5]
+    blocks = [ask["partial"].block(a, b, n=G) for a, b in prompt_blocks(4, 2)]
+    assert [block.groups for block in blocks] == [[0, 4], [1, 5]]
+    assert [[len(c) for c in block.so_far.completion_ids] for block in blocks] == [[3, 3, 0, 0]] * 2
+    assert [block.need for block in blocks] == [1, 1]
+    # Groups 4, 1 and 5 finish: the oldest two (1, 4) train, in the run's order, whatever their places.
+    prompts, batch = buffer.take(pool, _answer(ask["partial"], version=1, grow={b: 1 for b in range(8)},
+                                               done={2, 3, 4, 5, 6, 7}))
+    assert [p.target for p in prompts] == [11, 14] and batch.completion_ids == [[4] * 4, [5] * 4, [2], [3]]
+    assert [g.number for g in buffer.groups] == [0, 5]
 
 
 def test_more_due_groups_than_a_step_trains_are_dropped_and_counted():

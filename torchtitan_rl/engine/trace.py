@@ -15,12 +15,17 @@ TAIL_FRACTION = 0.25
 
 @dataclasses.dataclass
 class EngineTrace:
-    """One generate's iterations, summed; every field adds up, so several engines' blocks merge by summing."""
+    """One generate's iterations, summed; every field but slowest_s adds up, so several engines' blocks merge by
+    summing."""
 
     sequences: int = 0
     """Samples the generate asked for (its wave)."""
     wall_s: float = 0.0
     """Seconds from the first engine step to the last (the step loop)."""
+    engines: int = 1
+    """Engines whose blocks of one request this trace sums (``merge``)."""
+    slowest_s: float = 0.0
+    """The longest of those engines' wall_s (``merge`` keeps the maximum): the one the request waits for."""
     iterations: int = 0
     """Engine steps (each schedules and runs one batch)."""
     tail_s: float = 0.0
@@ -60,6 +65,12 @@ class EngineTrace:
         return self.running_s / self.slot_s if self.slot_s else 0.0
 
     @property
+    def engine_balance(self) -> float:
+        """The engines' mean step loop over the slowest one's: 1 when they finish together; 0.5 on two engines
+        when one worked half as long as the other and then waited for it."""
+        return self.wall_s / self.engines / self.slowest_s if self.slowest_s else 1.0
+
+    @property
     def kv_read_rate(self) -> float:
         """Bytes a second the attention read from the KV cache, per engine (the merge of several engines' blocks
         sums their seconds too): to hold against the GPU's memory bandwidth."""
@@ -75,14 +86,16 @@ class EngineTrace:
         return {"gen_tail_share": self.tail_share, "gen_tail_s": self.tail_s, "gen_batch_fill": self.batch_fill,
                 "gen_preemptions": float(self.preemptions), "gen_iterations": float(self.iterations),
                 "gen_tail_iterations": float(self.tail_iterations),
-                "gen_after_need_s": self.after_need_s,
+                "gen_after_need_s": self.after_need_s, "gen_engine_balance": self.engine_balance,
                 "gen_kv_read_gb": self.kv_read_bytes / 1e9, "gen_kv_read_tb_per_s": self.kv_read_rate / 1e12,
                 "gen_tail_kv_read_tb_per_s": self.tail_kv_read_rate / 1e12}
 
     @staticmethod
     def merge(parts: list["EngineTrace"]) -> "EngineTrace":
-        """The traces of several engines' blocks of one batch, summed (shares become time-weighted means)."""
-        return EngineTrace(**{f.name: sum(getattr(p, f.name) for p in parts) for f in dataclasses.fields(EngineTrace)})
+        """The traces of several engines' blocks of one batch, summed (shares become time-weighted means), but
+        for slowest_s."""
+        return EngineTrace(**{f.name: (max if f.name == "slowest_s" else sum)(getattr(p, f.name) for p in parts)
+                              for f in dataclasses.fields(EngineTrace)})
 
 
 class TraceRecorder:
@@ -127,4 +140,5 @@ class TraceRecorder:
 
     def finish(self) -> EngineTrace:
         self.trace.preemptions = sum(self.preempted.values())
+        self.trace.slowest_s = self.trace.wall_s
         return self.trace

@@ -55,6 +55,9 @@ class Pending(Protocol):
 
 
 class RolloutGenerator(Protocol):
+    engines: int
+    """Engines a request is split over, each generating a contiguous block of its prompts (``prompt_blocks``)."""
+
     def sync(self, state: "dict[str, torch.Tensor]", *, version: int) -> float:
         """Weights for the requests submitted from now on, served as ``version``; seconds the
         transfer took (not counting this trainer's wait for its earlier requests; a rollout server's

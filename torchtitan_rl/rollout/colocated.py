@@ -52,6 +52,7 @@ class ColocatedGenerator:
         self.sleep_level = SLEEP_LEVELS[cfg.generator.sleep]
         self.every_rank = cfg.generator.colocated_ranks == "all" and dist.get_world_size() > 1
         """Each rank generates a block of every request; else rank 0 generates it all."""
+        self.engines = dist.get_world_size() if self.every_rank else 1
         if device.type == "cuda" and dist.get_world_size() > 1 and not self.every_rank:
             # vLLM's group setup is a collective the ranks without an engine never join (docs/design.md, "Why the code
             # looks this way").

@@ -1,6 +1,6 @@
 """Partial rollouts (grpo.partial): the groups a step's generate left unfinished, kept for the next one.
 
-A request holds whole groups, oldest first: the ones this buffer carries, then new prompts up to
+A request holds whole groups, oldest first (dealt, below): the ones this buffer carries, then new prompts up to
 grpo.prompts_per_step + grpo.partial.over_sample. The engine stops it once prompts_per_step of them are
 finished (with every group marked due, and the token budget spent) and returns every sample, the cut ones
 with their tokens, generator logprobs and per-token weight versions so far (engine/rollouts.py's
@@ -10,6 +10,9 @@ under the weights of then). The bound, grpo.partial.max_token_age = A: request j
 group carried from it joins request j + S + 1 at the earliest (S = grpo.max_staleness); a group whose oldest
 token would then be more than A versions old is due (the request runs it to its end), and one already past
 A when a request is built is dropped (counted; with A >= 2S + 1 only a resume under a smaller A drops).
+Where several engines split a request into contiguous blocks (colocated on every rank, generator replicas),
+the request deals its groups to them in turn, so that each engine gets its share of the carried groups (the
+long samples) and of the new ones, rather than the first engine all the carried ones.
 docs/design.md, "Partial rollouts and in-flight updates".
 """
 
@@ -52,8 +55,10 @@ class Pool:
 class UnfinishedBuffer:
     """The groups between requests (not in flight), oldest first; a checkpoint keeps them."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, *, engines: int = 1) -> None:
+        """``engines``: how many contiguous blocks the generator splits a request into (RolloutGenerator.engines)."""
         self.cfg = cfg
+        self.engines = engines
         self.groups: list[Group] = []
         self.next_number = 0
         """The number the next new group gets."""
@@ -66,7 +71,8 @@ class UnfinishedBuffer:
         return max(0, grpo.prompts_per_step + grpo.partial.over_sample - len(self.groups))
 
     def request(self, j: int, new_prompts: list[Prompt], *, seed: int) -> tuple[Pool, dict]:
-        """Request ``j``'s pool (every carried group, then ``new_prompts``) and Engine.generate's arguments."""
+        """Request ``j``'s pool (every carried group, then ``new_prompts``, dealt to the engines) and
+        Engine.generate's arguments."""
         grpo, partial = self.cfg.grpo, self.cfg.grpo.partial
         A, S, G = partial.max_token_age, grpo.max_staleness, grpo.group_size
         carried, dropped = [], 0
@@ -80,6 +86,7 @@ class UnfinishedBuffer:
         for prompt in new_prompts:
             carried.append(Group(self.next_number, prompt))
             self.next_number += 1
+        carried = dealt(carried, self.engines)
         # The next request that could continue a group cut now trains at step j + S + 1.
         due = [(v := g.oldest_version()) is not None and j + S + 1 - v > A for g in carried]
         so_far = _join([g.so_far or _unstarted(g.prompt, G) for g in carried])
@@ -95,19 +102,20 @@ class UnfinishedBuffer:
         before = sum(map(len, pool.request.so_far.completion_ids))
         for i, group in enumerate(pool.groups):
             group.so_far = rollouts.rows(i * G, (i + 1) * G)
-        done = [i for i, g in enumerate(pool.groups) if g.finished()]
+        done = sorted((i for i, g in enumerate(pool.groups) if g.finished()), key=lambda i: pool.groups[i].number)
         assert len(done) >= P, f"the engine stopped with {len(done)} of the {P} groups a step needs finished"
-        chosen = set(done[:P])  # the pool is oldest first
+        chosen = done[:P]  # the oldest: a group's number is its place in the run's order
+        taken = set(chosen)
         dropped, kept = pool.dropped_samples, []
         for i, group in enumerate(pool.groups):
-            if i in chosen:
+            if i in taken:
                 continue
             if pool.request.due[i]:  # only when more groups were due than a step trains
                 dropped += G
             else:
                 kept.append(group)
         self.groups = sorted(self.groups + kept, key=lambda g: g.number)
-        batch = Rollouts.concat([pool.groups[i].so_far for i in sorted(chosen)])
+        batch = Rollouts.concat([pool.groups[i].so_far for i in chosen])
         batch.finished = None
         # The step's own generate: its timings and trace (engine/trace.py), however many requests its groups span.
         batch.weight_version, batch.generate_s = rollouts.weight_version, rollouts.generate_s
@@ -123,13 +131,20 @@ class UnfinishedBuffer:
             "partial_dropped_samples": float(dropped),
             "partial_due_groups": float(sum(pool.request.due)),
         }
-        return [pool.groups[i].prompt for i in sorted(chosen)], batch
+        return [pool.groups[i].prompt for i in chosen], batch
 
     def state_dict(self) -> dict:
         return {"groups": self.groups, "next_number": self.next_number}
 
     def load_state_dict(self, state: dict) -> None:
         self.groups, self.next_number = list(state["groups"]), state["next_number"]
+
+
+def dealt(groups: list[Group], engines: int) -> list[Group]:
+    """``groups`` (oldest first) reordered so that engine e's contiguous block (rollout/base.py's prompt_blocks:
+    sizes differing by at most one, larger first) holds groups e, e + engines, e + 2 x engines, ...: every engine
+    a share of each age."""
+    return [groups[i] for e in range(engines) for i in range(e, len(groups), engines)]
 
 
 def _unstarted(prompt: Prompt, n: int) -> Rollouts:

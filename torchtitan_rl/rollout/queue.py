@@ -46,7 +46,7 @@ class RolloutQueue:
                 raise ValueError(f"{field}: task {type(task).__name__} plays multi-turn episodes (its own submit); "
                                  "this works on single-turn samples only")
         if cfg.grpo.partial.enable:
-            self.partial = UnfinishedBuffer(cfg)
+            self.partial = UnfinishedBuffer(cfg, engines=generator.engines)
 
     @property
     def partial_stats(self) -> dict[str, float]:

@@ -33,6 +33,7 @@ class RemoteGenerator:
     def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], world: World) -> None:
         assert world.role == "trainer"
         self.world = world
+        self.engines = world.replicas
         self.mailboxes = [
             Mailbox(world.store, timeout_s=cfg.weight_sync.peer_timeout_s, peer=_who(r, world.replicas), replica=r)
             for r in range(world.replicas)

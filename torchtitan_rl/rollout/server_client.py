@@ -52,6 +52,7 @@ class ServerGenerator:
 
     def __init__(self, cfg: JobConfig, *, reference: dict[str, torch.Tensor], device: torch.device) -> None:
         self.timeout_s = timeout_s = cfg.weight_sync.peer_timeout_s
+        self.engines = 1  # the server splits nothing: its engine answers the request whole
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.client = ServerClient(base_url(cfg.serve), token=cfg.serve.token, api_key=cfg.serve.api_key,

@@ -75,7 +75,7 @@ class StepMetrics:
         return flat
 
 
-TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill"})
+TIMING_SHARES = frozenset({"gen_tail_share", "gen_batch_fill", "gen_engine_balance"})
 """Shares of a generate's wall time (engine/trace.py): timings, though their names do not end in _s."""
 
 
