@@ -169,8 +169,10 @@ report() {  # ROW RC GROUP
   local layout size mode from  # the summary starts where the table does, after its warm-up (one rule: the table's)
   IFS=- read -r layout size mode <<< "$row"
   from=$(cd scripts/gpu && python3 -c "import long_tail_table as t; print(t.warmup('$layout', '$mode'))")
+  local engines=1  # b: each rank's engine generates its block; d: one generator rank
+  [ "$layout" = b ] && engines=2
   python3 scripts/gpu/summarize_run.py "$work/$row" --name "$row" --gpus "$(cat "$work/$row.gpus")" \
-    --mem "$work/mem_$group.csv" --rc "$rc" --window "$from" "$STEPS" \
+    --mem "$work/mem_$group.csv" --rc "$rc" --engines "$engines" --window "$from" "$STEPS" \
     --extra "on_args=$ON_ARGS" "on_d_args=$ON_D_ARGS" "on_e_args=$ON_E_ARGS" "stream_d_args=$STREAM_D_ARGS" \
             "steps=$STEPS" "gpu=$gpu_name" "alloc_conf=$(cat "$work/$row.alloc")" \
     | tee -a "$R/long_tail_summary_$stamp.jsonl"

@@ -220,8 +220,7 @@ def tail_table(numbers: dict) -> str:
     """One lease's rows; speed-ups against that lease's baseline only ("n/a" where it ran none)."""
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
               "x sync", "tail share (after need)", "batch fill", "engine balance", "KV read TB/s (tail)", "preemptions",
-              "trainer idle",
-              "generator idle", "mean / max length"]
+              "trainer idle", "generator idle", "mean / max length"]
     rows = []
     for size in SIZES:
         for layout, where in LAYOUTS.items():

@@ -20,13 +20,13 @@ SHORT = {"trainer.steps": 3, "grpo.prompts_per_step": 8, "weight_sync.transport"
 TAIL = {"trainer.steps": 5, "weight_sync.transport": "nccl", "grpo.max_staleness": 1,
         "generator.inflight_updates": "true", "generator.stream_groups": "true",
         "grpo.partial.enable": "true", "grpo.partial.over_sample": 2, "grpo.partial.max_token_age": 3,
-        "grpo.prompts_per_step": 8, "generator.max_num_seqs": 4, "generator.sampling.max_tokens": 48,
+        "grpo.prompts_per_step": 8, "generator.max_num_seqs": 2, "generator.sampling.max_tokens": 48,
         "grpo.task_without_checkpoint": "digits:repeat_first", "grpo.harness_lengths.distribution": "lognormal",
         "grpo.harness_lengths.median": 32, "grpo.harness_lengths.p90": 44, "grpo.importance_correction": "truncate"}
-"""2 trainer ranks + 1 generator rank, asynchronous, with every feature on (async scheduling too). A request's 80 samples run to drawn
-lengths of ~32 tokens (the timing harness: eos ignored), 4 at a time: far longer for the generator than a step
-of 64 rows for the trainer, so each step's sync is posted while the generator is in the middle of the next
-request."""
+"""2 trainer ranks + 1 generator rank, asynchronous, with every feature on (async scheduling too). A request's 80
+samples run to drawn lengths of ~32 tokens (the timing harness: eos ignored), 2 at a time: ~5x as long for the
+generator as a step of 64 rows for the trainer, so each step's sync is posted while the generator is in the middle
+of the next request (at 4 at a time, ~3x, a loaded CI box once had every generate end first)."""
 
 
 def _torchrun(nproc: int, output_dir: Path, overrides: dict) -> list[dict]:

@@ -80,6 +80,7 @@ def test_a_row_resumed_in_the_next_call_continues_its_metrics_and_starts_after_t
     # partial rollouts in the asynchronous layouts d and e: steps 0 and 1 are warm-up
     assert {s["layout"]: s["window"] for s in summary} == {"d-0.6B-stream": [2, 5],
                                                             "e-0.6B-on-batched-expandable": [2, 5]}
+    assert [s["engines"] for s in summary] == [1, 1]  # one generator rank, one engine beside training
     # the row's allocator setting (torch reads it on CUDA only), as the summary records it: the default
     # (run/startup.py's) where the call left it unset, torch's own where it set it empty
     assert {s["layout"]: s["alloc_conf"] for s in summary} == {
