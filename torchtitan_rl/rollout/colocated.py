@@ -154,7 +154,7 @@ class ColocatedGenerator:
     def _own_part(self, prompts: list[list[int]], generate_kwargs: dict) -> Rollouts | None:
         """This rank's engine's rollouts for the request: its block, or the whole on rank 0; None without one."""
         if self.every_rank:
-            a, b = prompt_blocks(len(prompts), dist.get_world_size())[dist.get_rank()]
+            a, b = prompt_blocks(len(prompts), self.engines)[dist.get_rank()]
             block, kwargs = block_request(prompts, generate_kwargs, a, b)
             return self.generator.generate(block, **kwargs)
         return None if self.generator is None else self.generator.generate(prompts, **generate_kwargs)

@@ -74,7 +74,7 @@ class RemoteGenerator:
         """Post Engine.generate's arguments (``n``, ``stop_token_ids``, ``seed``, ...), each replica its
         contiguous block of ``prompts``, and return."""
         if self.world.sender:
-            for mailbox, (a, b) in zip(self.mailboxes, prompt_blocks(len(prompts), self.world.replicas)):
+            for mailbox, (a, b) in zip(self.mailboxes, prompt_blocks(len(prompts), self.engines)):
                 block, kwargs = block_request(prompts, generate_kwargs, a, b)
                 mailbox.put("msg", {"op": "generate", "prompts": block, **kwargs})
         number = self.requests
