@@ -26,7 +26,11 @@ MISSION_ROWS = {
     "host_after_alone": "one one-GPU run alone, host threads split (after)",
     "host_after_pair0": "two one-GPU runs at once, split (after): GPU 0",
     "host_after_pair1": "two one-GPU runs at once, split (after): GPU 1",
+    "mission@20261130T0025_h200": "mission step, one GPU, first start, torch's allocator as simple_grpo sets it "
+                                  "(expandable segments)",
 }
+"""Labels of mission_<row>.json results: ``row`` for those in a folder given, ``row@SUB`` for those in its
+subfolder SUB (a later lease's run of a row, kept beside the first)."""
 SIZE_ROWS = {
     ("4B:a:off", "auto"): "Qwen3-4B, layout a, job.fit auto (as the README runs it)",
     ("4B:a:weights", "hand"): "Qwen3-4B, layout a, by hand: sleep weights, bfloat16 masters",
@@ -42,9 +46,9 @@ SIZE_ROWS = {
 def load(folders: list[Path]) -> tuple[dict, dict]:
     missions, sizes = {}, {}
     for folder in folders:  # later folders override earlier ones
-        for path in sorted(folder.glob("mission_*.json")):
+        for path in sorted(folder.glob("mission_*.json")) + sorted(folder.glob("*/mission_*.json")):
             result = json.loads(path.read_text())
-            missions[result["name"]] = result
+            missions[result["name"] + ("" if path.parent == folder else f"@{path.parent.name}")] = result
         sizes_file = folder / "sizes.jsonl"
         if sizes_file.is_file():
             for line in sizes_file.read_text().splitlines():

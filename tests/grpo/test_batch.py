@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts, pack_versions
+from torchtitan_rl.grpo.batch import logprob_mismatch, pack_rollouts, pack_versions, rank_rows
 
 PAD = 0
 
@@ -77,3 +77,22 @@ def test_logprob_mismatch_is_zero_for_equal_logprobs_and_for_no_tokens():
     zeros = {"mismatch_mean": 0.0, "mismatch_max": 0.0, "mismatch_frac_tokens": 0.0}
     assert logprob_mismatch(lp_BL, lp_BL.clone(), torch.tensor([[0.0, 1.0, 1.0]])) == zeros
     assert logprob_mismatch(lp_BL, lp_BL + 1, torch.zeros(1, 3)) == zeros
+
+
+def test_ranks_get_equal_row_counts_and_nearly_equal_tokens_of_a_batch_listing_its_long_groups_first():
+    # A partial-rollouts batch: its oldest groups, carried over because they ran long, first (8 groups of 4).
+    torch.manual_seed(0)
+    lengths = sorted(torch.randint(100, 8000, (32,)).tolist(), reverse=True)
+    lengths = lengths[:12] + torch.randint(100, 2000, (20,)).tolist()
+    for ranks in (2, 4):
+        shares = [rank_rows(lengths, rank=r, ranks=ranks).tolist() for r in range(ranks)]
+        assert sorted(row for share in shares for row in share) == list(range(32))  # every row once
+        assert all(share == sorted(share) and len(share) == 32 // ranks for share in shares)
+        tokens = [sum(lengths[row] for row in share) for share in shares]
+        assert max(tokens) - min(tokens) <= max(lengths)
+        blocks = [sum(lengths[r * 32 // ranks:(r + 1) * 32 // ranks]) for r in range(ranks)]
+        assert max(blocks) - min(blocks) > 3 * max(lengths)  # what contiguous blocks gave: one rank most of it
+
+
+def test_one_rank_trains_every_row_in_the_batch_order():
+    assert rank_rows([5, 9, 1], rank=0, ranks=1).tolist() == [0, 1, 2]

@@ -35,6 +35,8 @@ def test_rows_name_their_machine_and_the_rows_not_run_say_so(tmp_path):
     _mission(old, "mission", 6.74)
     _mission(new, "mission", 4.81)  # the call's own result wins over the committed one
     _mission(new, "colocated2", 2.95, machine="NVIDIA H200 x2")
+    (old / "20261130T0025_h200").mkdir()  # a later lease's run of a row: its own line, the first one's kept
+    _mission(old / "20261130T0025_h200", "mission", 5.40, machine="NVIDIA H200 x1")
     (new / "sizes.jsonl").write_text("\n".join([
         _size("4B:a:off", "auto", fits=True, gpu="NVIDIA H200 capped=79.2GiB",
               fit_line="torchtitan_rl: job.fit auto: generator.sleep weights, trainer.master_dtype bfloat16: the "
@@ -55,6 +57,8 @@ def test_rows_name_their_machine_and_the_rows_not_run_say_so(tmp_path):
     row = next(line for line in lines if line.startswith("| mission step, one GPU, first start"))
     assert "| NVIDIA H100 80GB HBM3 x1 | 0 | 4.81 | 3.90 | 1.70 | 0.52 (0.45) | 0.01 | 101.50 | 0.30 |" in row
     assert any(line.startswith("| mission step, colocated on two GPUs") and "NVIDIA H200 x2" in line for line in lines)
+    later = next(line for line in lines if line.startswith("| mission step, one GPU, first start, torch's allocator"))
+    assert "| NVIDIA H200 x1 | 0 | 5.40 |" in later
     assert any(line.startswith("| mission step, one GPU, second start") and "not run" in line for line in lines)
     auto = next(line for line in lines if line.startswith("| Qwen3-4B, layout a, job.fit auto"))
     assert "NVIDIA H200, capped at 79.2GiB | yes | generator.sleep weights, trainer.master_dtype bfloat16 | 70.0 |" \

@@ -46,6 +46,24 @@ def pack_versions(prompt_ids: list[list[int]], versions: list[list[int]], *, len
     return versions_BL
 
 
+def rank_rows(lengths: list[int], *, rank: int, ranks: int) -> torch.Tensor:
+    """long: the rows of a batch whose rows hold ``lengths`` tokens that data-parallel ``rank`` of ``ranks`` trains:
+    as many rows as every other rank, and nearly as many tokens (within the longest row).
+
+    The rows are dealt longest first, back and forth over the ranks (0, 1, .., n-1, n-1, .., 0, 0, 1, ..), so each
+    rank gets a like share of the long ones whatever the batch's order: a partial-rollouts batch lists its oldest
+    groups, the ones carried over because they ran long, first, and a contiguous block each gave one rank most of
+    the step's tokens while the others waited for it in every collective. A rank keeps its rows in the batch's order
+    (its mini-batches cut that order as before); one rank trains every row in order."""
+    assert len(lengths) % ranks == 0 and 0 <= rank < ranks, (len(lengths), rank, ranks)
+    if ranks == 1:
+        return torch.arange(len(lengths))
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])  # stable: ties keep the batch's order
+    laps = [divmod(i, ranks) for i in range(len(order))]  # (lap, seat): even laps deal 0..n-1, odd ones n-1..0
+    mine = [row for row, (lap, seat) in zip(order, laps) if (seat if lap % 2 == 0 else ranks - 1 - seat) == rank]
+    return torch.tensor(sorted(mine), dtype=torch.long)
+
+
 MISMATCH_KEYS = ("mismatch_mean", "mismatch_max", "mismatch_frac_tokens")
 """logprob_mismatch's metrics (train_step reports the same under grpo.old_logprobs train)."""
 

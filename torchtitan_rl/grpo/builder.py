@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.grpo.advantages import group_advantages
 from torchtitan_rl.grpo.batch import (
-    MISMATCH_KEYS, TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, pack_versions, routing_mismatch,
+    MISMATCH_KEYS, TrainBatch, logprob_mismatch, pack_rollouts, pack_routes, pack_versions, rank_rows,
+    routing_mismatch,
 )
 from torchtitan_rl.grpo.groups import Groups, fill_with_signal, rollout_metrics, score_groups
 from torchtitan_rl.grpo.loss import RATIO_KEYS, importance_weights, version_age_stats
@@ -114,9 +115,9 @@ class BatchBuilder:
                 advantages_B = torch.zeros_like(advantages_B)
             else:
                 mask_BL[batch.truncated_B] = 0
-        # Tensor-parallel peers share a data shard: split over data-parallel ranks only.
-        per_rank = P * G // trainer.dp_size
-        rows = slice(trainer.dp_rank * per_rank, (trainer.dp_rank + 1) * per_rank)
+        # Tensor-parallel peers share a data shard: split over data-parallel ranks only, by tokens.
+        rows = rank_rows([len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)],
+                         rank=trainer.dp_rank, ranks=trainer.dp_size)
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
         started = time.perf_counter()
         ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = trainer_lp_BL = None
@@ -220,7 +221,7 @@ class BatchBuilder:
                 self.early[(tuple(prompt_ids[r]), tuple(completion_ids[r]))] = (
                     logprobs[0][r - a, :n], logprobs[1][r - a, :n] if len(logprobs) > 1 else None)
 
-    def _by_group(self, batch: Groups, rows: slice, mask_BL: torch.Tensor
+    def _by_group(self, batch: Groups, rows: torch.Tensor, mask_BL: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's rows' pi_old (and reference) logprobs from the groups recomputed alone: the early ones
         (``prefetch``), the others now; 0 off ``mask_BL``."""
@@ -231,7 +232,8 @@ class BatchBuilder:
                 self._recompute(batch.prompt_ids[g * G:(g + 1) * G], batch.completion_ids[g * G:(g + 1) * G])
         trainer_BL = torch.zeros(mask_BL.shape)
         ref_BL = torch.zeros(mask_BL.shape) if self.reference is not None else None
-        for i, k in enumerate(key[rows]):
+        for i, r in enumerate(rows.tolist()):
+            k = key[r]
             lp, ref = self.early[k]
             trainer_BL[i, : len(lp)] = lp
             if ref_BL is not None:
