@@ -231,7 +231,7 @@ def train(cfg: JobConfig) -> list[dict]:
                 reward_mean=rewards_B.mean().item(), reward_max=rewards_B.max().item(),
                 rollout=batch.rollout_stats, sampling=batch.sampling_stats, train=train,
                 mismatch=batch.mismatch, importance=batch.importance, routing=batch.routing,
-                partial=queue.partial_stats, memory=memory.take(),
+                partial=queue.partial_stats, ranks=batch.ranks, memory=memory.take(),
                 completion_tokens=completion_tokens + batch.sampling_stats.get("refill_completion_tokens", 0.0),
                 weight_version=rollouts.weight_version, staleness=step - rollouts.weight_version,
                 gen_tokens_per_s=completion_tokens / max(rollouts.generate_s, 1e-9), sync_s=sync_s,

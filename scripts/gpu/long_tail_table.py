@@ -31,7 +31,8 @@ few sequences run: far below the rest, the step's fixed costs or a kernel the sm
 to finish (grpo.partial.max_token_age) or the token budget (gen_after_need_s); rows logged before the metric show
 the tail share alone. Engine balance (rows of several engines: b, d with replicas): their mean step loop over the
 slowest one's, which the step waits for (gen_engine_balance; 100%: they finish together; "-" for rows logged before
-the metric existed).
+the metric existed); in brackets, rows of several trainer ranks (b): their mean tokens trained over the most any rank
+trained, which the others wait for (train_rank_balance; rows logged before the metric existed show none).
 A row with partial rollouts whose settings differ from scripts/gpu/partial_args.sh's (LONG_TAIL_ON_ARGS, as its
 summary records them) names the differences after it, e.g. "a-0.6B-onfp8 (over_sample 128)", and a row run with
 torch's allocator in expandable segments (every run's default since 2026-11-29) says so unless its name does.
@@ -128,6 +129,7 @@ def row_numbers(records: list[dict], *, skip: int = WARMUP) -> dict | None:
         "tokens_per_s": trained / wall, "generated": sum(r["completion_tokens"] for r in kept) / trained,
         "tail_share": mean("gen_tail_share"), "batch_fill": mean("gen_batch_fill"),
         "balance": mean("gen_engine_balance") if "gen_engine_balance" in kept[0] else None,
+        "rank_balance": mean("train_rank_balance") if "train_rank_balance" in kept[0] else None,
         "after_need": mean("gen_after_need_s") / mean("generate_s") if "gen_after_need_s" in kept[0] else None,
         "preemptions": mean("gen_preemptions"), "kv_read": mean("gen_kv_read_tb_per_s"),
         "tail_kv_read": mean("gen_tail_kv_read_tb_per_s") if "gen_tail_kv_read_tb_per_s" in kept[0] else None,
@@ -219,8 +221,8 @@ def speedup_text(n: dict, base: dict | None) -> str:
 def tail_table(numbers: dict) -> str:
     """One lease's rows; speed-ups against that lease's baseline only ("n/a" where it ran none)."""
     header = ["row", "layout", "steps", "step s", "generate s", "train s", "trained tokens/s", "generated / trained",
-              "x sync", "tail share (after need)", "batch fill", "engine balance", "KV read TB/s (tail)", "preemptions",
-              "trainer idle", "generator idle", "mean / max length"]
+              "x sync", "tail share (after need)", "batch fill", "engine balance (trainer ranks)", "KV read TB/s (tail)",
+              "preemptions", "trainer idle", "generator idle", "mean / max length"]
     rows = []
     for size in SIZES:
         for layout, where in LAYOUTS.items():
@@ -236,7 +238,8 @@ def tail_table(numbers: dict) -> str:
                              f"{100 * n['tail_share']:.0f}%" + ("" if n["after_need"] is None else
                                                                 f" ({100 * n['after_need']:.0f}%)"),
                              f"{100 * n['batch_fill']:.0f}%",
-                             "-" if n["balance"] is None else f"{100 * n['balance']:.0f}%",
+                             ("-" if n["balance"] is None else f"{100 * n['balance']:.0f}%")
+                             + ("" if n["rank_balance"] is None else f" ({100 * n['rank_balance']:.0f}%)"),
                              (f"{n['kv_read']:.3g}" if n["kv_read"] else "-")
                              + ("" if n["tail_kv_read"] is None else f" ({n['tail_kv_read']:.3g})"),
                              f"{n['preemptions']:.0f}", f"{100 * n['trainer_idle']:.0f}%",

@@ -2,8 +2,9 @@
 
     python3 scripts/gpu/one_gpu_table.py --results DIR [DIR ...] --write benchmarks.md
 
-Reads every mission_<row>.json (scripts/gpu/mission_step.py) and sizes.jsonl line (scripts/gpu/sizes_row.py) under
-the folders given (a row's result in the first folder wins: the call's $OUT before the committed results) and
+Reads every mission_<row>.json (scripts/gpu/mission_step.py; also one folder down, a later lease's run of a row, its
+own line: MISSION_ROWS) and sizes.jsonl line (scripts/gpu/sizes_row.py) under the folders given (a row's result in
+the first folder wins: the call's $OUT before the committed results) and
 writes the section, between its markers,
 into the file --write names (a copy of docs/benchmarks.md when it does not exist yet). Rows not run say so.
 """

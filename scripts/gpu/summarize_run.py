@@ -17,7 +17,7 @@ from pathlib import Path
 
 KEYS = ("step_s", "generate_s", "train_s", "sync_s", "wait_rollouts_s", "generator_idle_s", "gen_tokens_per_s",
         "gen_tail_share", "gen_after_need_s", "gen_batch_fill", "gen_preemptions", "gen_kv_read_tb_per_s",
-        "gen_tail_kv_read_tb_per_s", "gen_engine_balance")
+        "gen_tail_kv_read_tb_per_s", "gen_engine_balance", "train_rank_balance")
 """Per-step numbers of metrics.jsonl (torchtitan_rl/run/metrics.py StepMetrics) whose medians the tables show."""
 
 

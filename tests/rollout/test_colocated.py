@@ -115,6 +115,8 @@ def test_every_rank_cuts_its_block_of_a_partial_request_and_resumes_bit_for_bit(
     _torchrun(tmp_path, *partial)
     first = _records(tmp_path)
     assert all(r["partial_carried_samples"] > 0 for r in first) and all(r["version_age_1_frac"] > 0 for r in first[1:])
+    # the trainer's ranks get equal rows and tokens within a row's (grpo/batch.py's rank_rows), whatever the order
+    assert all(0.99 < r["train_rank_balance"] <= 1.0 for r in first), [r["train_rank_balance"] for r in first]
     _torchrun(tmp_path, *partial, "--resume")
     resumed = _records(tmp_path)[3:]
     assert [r["step"] for r in resumed] == [3]

@@ -65,6 +65,9 @@ class StepBatch:
     routing_mismatch, over all ranks' tokens); {} for a dense model or without the generator's choices."""
     recompute_s: float
     """Seconds of the trainer's (and the reference's) logprob recompute in ``build``."""
+    ranks: dict[str, float]
+    """train_rank_balance: the data-parallel ranks' mean tokens (prompt + completion) over the most any rank
+    trains, which the others wait for in every collective (1: even); {} with one process."""
 
 
 class BatchBuilder:
@@ -116,8 +119,9 @@ class BatchBuilder:
             else:
                 mask_BL[batch.truncated_B] = 0
         # Tensor-parallel peers share a data shard: split over data-parallel ranks only, by tokens.
-        rows = rank_rows([len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)],
-                         rank=trainer.dp_rank, ranks=trainer.dp_size)
+        lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+        rows = rank_rows(lengths, rank=trainer.dp_rank, ranks=trainer.dp_size)
+        ranks = self._rank_balance(sum(lengths[r] for r in rows.tolist()))
         tokens_BL, mask_BL, gen_lp_BL = tokens_BL[rows], mask_BL[rows], gen_lp_BL[rows]
         started = time.perf_counter()
         ref_lp_BL = replay_BLNK = routes_BLNK = gen_routes_BLNK = trainer_lp_BL = None
@@ -163,7 +167,7 @@ class BatchBuilder:
                              generator_logprobs_BL=gen_lp_BL if trainer_lp_BL is None else None,
                              replay_routes_BLNK=replay_BLNK),
             rollout_stats=rollout_stats, sampling_stats=sampling_stats, mismatch=mismatch, importance=is_stats,
-            routing=routing, recompute_s=recompute_s,
+            routing=routing, recompute_s=recompute_s, ranks=ranks,
         )
 
     def measured_in_training(self, step: StepBatch, train: dict[str, float]) -> None:
@@ -181,6 +185,16 @@ class BatchBuilder:
         if sampling.top_p < 1 or sampling.top_k != -1:
             return dict.fromkeys(measured, float("nan"))
         return measured
+
+    def _rank_balance(self, tokens: int) -> dict[str, float]:
+        """StepBatch.ranks from this rank's ``tokens`` (tensor-parallel peers count their shared shard alike)."""
+        if dist.get_world_size() == 1:
+            return {}
+        total = torch.tensor([tokens], dtype=torch.float64, device=self.device)
+        most = total.clone()
+        dist.all_reduce(total)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return {"train_rank_balance": total.item() / dist.get_world_size() / max(most.item(), 1.0)}
 
     def _reduce_counts(self, local: dict[str, float], *, count: str) -> dict[str, float]:
         """Fractions over this rank's ``local[count]`` items -> the same fractions over all ranks' items."""

@@ -31,6 +31,9 @@ class StepMetrics:
     and the trainer's recompute), routing_mismatch_layers, routing_tokens; {} for a dense model."""
     partial: dict[str, float]
     """grpo.partial's carried and dropped samples; {} when off."""
+    ranks: dict[str, float]
+    """train_rank_balance, how evenly the data-parallel ranks' shares of the batch came out (grpo/builder.py's
+    StepBatch.ranks); {} with one process."""
     memory: dict[str, float]
     """What this rank's device held at most in each phase of the step (run/memory_watch.py: the GPU's used bytes as
     nvidia-smi counts them, on CPU the process's resident memory), in GiB: mem_generate_gib (sync, generate,
