@@ -246,6 +246,7 @@ def test_batch_invariant_run_has_zero_differing_tokens_every_step(tmp_path):
     assert all(0 <= r["gen_tail_share"] <= 1 and r["gen_iterations"] >= 4 for r in history)  # every run logs it
 
 
+@pytest.mark.slow  # a timing-harness run of drawn lengths up to 48 tokens: ~15 s on 2 cores
 def test_harness_run_with_drawn_lengths_logs_their_tail(tmp_path):
     cfg = _config(tmp_path, steps=2)
     cfg.grpo.task_without_checkpoint = "digits"  # the timing harness: random weights, no checkpoint
